@@ -1,0 +1,102 @@
+"""jaxkv: paged KV-cache management for LLM inference in JAX and Pallas.
+
+Block tables and slot mappings are in KV-cache-manager blocks; each attention group maps its table
+to the kernel blocks its backend reads (kernel block ``j`` of block ``b`` is ``b * stride + j``).
+"""
+
+from jaxkv.attention_backend import (
+    AttentionBackend,
+    customize_attention_spec,
+    is_block_size_supported,
+    select_common_block_size,
+)
+from jaxkv.attention_group import AttentionGroup, KernelPagedView
+from jaxkv.attention_metadata import CommonAttentionMetadata
+from jaxkv.block_pool import BlockPool, KVCacheBlock
+from jaxkv.block_table import BlockTable, MultiGroupBlockTable, get_block_table_width
+from jaxkv.kernel_blocks import map_to_kernel_blocks
+from jaxkv.kv_cache_config import (
+    LAYOUTS,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheLayer,
+    KVCacheTensor,
+    LayerBinding,
+    plan_kv_cache,
+)
+from jaxkv.kv_cache_manager import (
+    CircularBufferManager,
+    FullAttentionManager,
+    KVCacheManager,
+    LinearAttentionStateManager,
+    SingleTypeKVCacheManager,
+    SlidingWindowManager,
+    hash_block_tokens,
+)
+from jaxkv.kv_cache_spec import (
+    AttentionSpec,
+    CircularBufferSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    LinearAttentionStateSpec,
+    MLAAttentionSpec,
+    MultipleOf,
+    SlidingWindowSpec,
+)
+from jaxkv.slot_mapping import (
+    PAD_SLOT_ID,
+    compute_circular_slot_mapping,
+    compute_compressed_slot_mapping,
+    compute_slot_mapping,
+    req_indices_from_query_start_loc,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # Specs
+    "KVCacheSpec",
+    "AttentionSpec",
+    "FullAttentionSpec",
+    "MLAAttentionSpec",
+    "SlidingWindowSpec",
+    "CircularBufferSpec",
+    "LinearAttentionStateSpec",
+    "MultipleOf",
+    # Backends and attention groups
+    "AttentionBackend",
+    "customize_attention_spec",
+    "is_block_size_supported",
+    "select_common_block_size",
+    "AttentionGroup",
+    "KernelPagedView",
+    "CommonAttentionMetadata",
+    # Planner
+    "LAYOUTS",
+    "KVCacheConfig",
+    "KVCacheGroupSpec",
+    "KVCacheLayer",
+    "KVCacheTensor",
+    "LayerBinding",
+    "plan_kv_cache",
+    # Host bookkeeping
+    "BlockPool",
+    "KVCacheBlock",
+    "KVCacheManager",
+    "SingleTypeKVCacheManager",
+    "FullAttentionManager",
+    "SlidingWindowManager",
+    "CircularBufferManager",
+    "LinearAttentionStateManager",
+    "hash_block_tokens",
+    "BlockTable",
+    "MultiGroupBlockTable",
+    "get_block_table_width",
+    # Jitted functions
+    "PAD_SLOT_ID",
+    "compute_slot_mapping",
+    "compute_circular_slot_mapping",
+    "compute_compressed_slot_mapping",
+    "req_indices_from_query_start_loc",
+    "map_to_kernel_blocks",
+]

@@ -1,0 +1,282 @@
+"""Per-group block managers and the KV-cache manager that coordinates them (host side).
+
+Mirrors vLLM's ``single_type_kv_cache_manager.py`` and ``kv_cache_coordinator.py``. Every group
+draws from one ``BlockPool``; a request owns, per group, a list of blocks whose ids go into that
+group's block-table row. Full-attention groups grow with the request, sliding-window groups
+release blocks that fall out of the window, ring (``CircularBufferSpec``) and linear-attention
+state groups hold exactly one block for the request's life.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxkv.block_pool import BlockHash, BlockPool, KVCacheBlock
+from jaxkv.kv_cache_spec import (
+    CircularBufferSpec,
+    KVCacheSpec,
+    LinearAttentionStateSpec,
+    SlidingWindowSpec,
+    cdiv,
+)
+
+__all__ = [
+    "SingleTypeKVCacheManager",
+    "FullAttentionManager",
+    "SlidingWindowManager",
+    "CircularBufferManager",
+    "LinearAttentionStateManager",
+    "KVCacheManager",
+    "hash_block_tokens",
+    "get_manager_for_spec",
+]
+
+
+def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+  """Chained block hash: SHA-256 of the parent hash and the block's token ids (stable across runs)."""
+  h = hashlib.sha256(parent or b"")
+  h.update(np.asarray(token_ids, np.int64).tobytes())
+  return h.digest()
+
+
+class SingleTypeKVCacheManager:
+  """Blocks of one KV-cache group, per request."""
+
+  def __init__(self, spec: KVCacheSpec, block_pool: BlockPool, group_id: int):
+    self.spec = spec
+    self.block_size = spec.block_size
+    self.block_pool = block_pool
+    self.group_id = group_id
+    self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+    self.num_cached_block: dict[str, int] = {}
+
+  def num_blocks_needed(self, num_tokens: int) -> int:
+    return cdiv(num_tokens, self.block_size)
+
+  def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed: Sequence[KVCacheBlock] = ()) -> int:
+    owned = len(self.req_to_blocks.get(request_id, ())) + len(new_computed)
+    # Touching free cached blocks also takes them out of the free queue.
+    evictable = sum(1 for b in new_computed if b.ref_cnt == 0 and not b.is_null)
+    return max(0, self.num_blocks_needed(num_tokens) - owned) + evictable
+
+  def add_computed_blocks(self, request_id: str, blocks: Sequence[KVCacheBlock]) -> None:
+    if not blocks:
+      return
+    self.block_pool.touch(blocks)
+    self.req_to_blocks.setdefault(request_id, []).extend(blocks)
+    self.num_cached_block[request_id] = len(self.req_to_blocks[request_id])
+
+  def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+    blocks = self.req_to_blocks.setdefault(request_id, [])
+    n = self.num_blocks_needed(num_tokens) - len(blocks)
+    if n <= 0:
+      return []
+    new = self.block_pool.get_new_blocks(n)
+    blocks.extend(new)
+    return new
+
+  def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> list[int]:
+    """Frees blocks no future token attends to; returns the table columns now null."""
+    return []
+
+  def cache_blocks(self, request_id: str, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
+    if not self.spec.prefix_cacheable:
+      return
+    blocks = self.req_to_blocks.get(request_id, [])
+    start = self.num_cached_block.get(request_id, 0)
+    end = min(num_tokens // self.block_size, len(block_hashes), len(blocks))
+    for i in range(start, end):
+      self.block_pool.cache_full_block(blocks[i], block_hashes[i], self.group_id)
+    self.num_cached_block[request_id] = max(start, end)
+
+  def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_blocks: int) -> list[KVCacheBlock]:
+    hits = []
+    for h in block_hashes[:max_blocks]:
+      block = self.block_pool.get_cached_block(h, self.group_id)
+      if block is None:
+        break
+      hits.append(block)
+    return hits
+
+  def free(self, request_id: str) -> None:
+    blocks = self.req_to_blocks.pop(request_id, [])
+    # Reverse order: the request's tail blocks are evicted first, its prefix stays cached longest.
+    self.block_pool.free_blocks(reversed(blocks))
+    self.num_cached_block.pop(request_id, None)
+
+
+class FullAttentionManager(SingleTypeKVCacheManager):
+  pass
+
+
+class SlidingWindowManager(SingleTypeKVCacheManager):
+  """Blocks wholly below ``num_computed - window + 1`` are replaced by the null block and freed."""
+
+  spec: SlidingWindowSpec
+
+  def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> list[int]:
+    blocks = self.req_to_blocks.get(request_id, [])
+    first_needed = max(0, num_computed_tokens - self.spec.sliding_window + 1)
+    freed_cols = []
+    for i in range(min(first_needed // self.block_size, len(blocks)) - 1, -1, -1):
+      if blocks[i].is_null:
+        break  # everything before was nulled earlier
+      self.block_pool.free_blocks([blocks[i]])
+      blocks[i] = self.block_pool.null_block
+      freed_cols.append(i)
+    return sorted(freed_cols)
+
+  def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_blocks: int) -> list[KVCacheBlock]:
+    # Only the last cdiv(window - 1, bs) blocks before the hit point must be cached.
+    need = cdiv(self.spec.sliding_window - 1, self.block_size)
+    hits = [self.block_pool.null_block] * max_blocks
+    run = 0
+    for i in range(max_blocks - 1, -1, -1):
+      block = self.block_pool.get_cached_block(block_hashes[i], self.group_id) if i < len(block_hashes) else None
+      if block is None:
+        run = 0
+        continue
+      hits[i] = block
+      run += 1
+      if run >= need:
+        return hits[: i + need]
+    # No full window found: a run starting at block 0 still counts (nothing precedes it).
+    return hits[:run]
+
+
+class _OneBlockPerRequestManager(SingleTypeKVCacheManager):
+  """Exactly one block per request for its life, whatever its length."""
+
+  def num_blocks_needed(self, num_tokens: int) -> int:
+    return 1
+
+  def find_longest_cache_hit(self, block_hashes, max_blocks):
+    return []
+
+
+class CircularBufferManager(_OneBlockPerRequestManager):
+  """The kpool tail ring: a ``ring``-token circular buffer in one block per request."""
+
+
+class LinearAttentionStateManager(_OneBlockPerRequestManager):
+  """A linear-attention state slot (KDA conv windows + recurrent state) per request."""
+
+
+def get_manager_for_spec(spec: KVCacheSpec, block_pool: BlockPool, group_id: int) -> SingleTypeKVCacheManager:
+  for spec_type, manager in (
+      (CircularBufferSpec, CircularBufferManager),
+      (LinearAttentionStateSpec, LinearAttentionStateManager),
+      (SlidingWindowSpec, SlidingWindowManager),
+  ):
+    if isinstance(spec, spec_type):
+      return manager(spec, block_pool, group_id)
+  return FullAttentionManager(spec, block_pool, group_id)
+
+
+class KVCacheManager:
+  """Allocates and frees a request's blocks in every group of one pool.
+
+  Args:
+    group_specs: the spec of each KV-cache group (its layers' common block size and kind).
+    num_blocks: blocks in the pool, the null block included.
+    enable_caching: prefix caching, used only when every group is prefix-cacheable (a ring or a
+      recurrent state cannot be rebuilt from cached blocks).
+  """
+
+  def __init__(self, group_specs: Sequence[KVCacheSpec], num_blocks: int, *, enable_caching: bool = True):
+    self.enable_caching = enable_caching and all(s.prefix_cacheable for s in group_specs)
+    self.block_pool = BlockPool(num_blocks, enable_caching=self.enable_caching)
+    self.managers = [get_manager_for_spec(s, self.block_pool, g) for g, s in enumerate(group_specs)]
+    token_sizes = {s.block_size for s in group_specs if not s.is_state}
+    self.hash_block_size = min(token_sizes) if token_sizes else None
+    self._block_hashes: dict[str, list[BlockHash]] = {}
+
+  @property
+  def num_free_blocks(self) -> int:
+    return self.block_pool.get_num_free_blocks()
+
+  def block_ids(self, request_id: str) -> tuple[list[int], ...]:
+    return tuple([b.block_id for b in m.req_to_blocks.get(request_id, [])] for m in self.managers)
+
+  def _hashes(self, request_id: str, token_ids: Sequence[int]) -> list[BlockHash]:
+    hashes = self._block_hashes.setdefault(request_id, [])
+    bs = self.hash_block_size
+    for i in range(len(hashes), len(token_ids) // bs):
+      hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs]))
+    return hashes
+
+  def get_computed_blocks(self, request_id: str, token_ids: Sequence[int]) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+    """Longest cached prefix of the prompt, per group, and its length in tokens.
+
+    At least one token is always left to compute (its logits are needed).
+    """
+    empty = tuple([] for _ in self.managers)
+    if not self.enable_caching or self.hash_block_size is None or len(token_ids) < 2:
+      return empty, 0
+    hashes = self._hashes(request_id, token_ids)
+    max_blocks = (len(token_ids) - 1) // self.hash_block_size
+    hits = [m.find_longest_cache_hit(hashes, max_blocks) for m in self.managers]
+    n = min(len(h) for h in hits)
+    # Shrink every group to the common length (a group's hit must end at a cached block).
+    while n > 0:
+      hits = [m.find_longest_cache_hit(hashes, n) for m in self.managers]
+      if min(len(h) for h in hits) >= n:
+        break
+      n = min(len(h) for h in hits)
+    if n == 0:
+      return empty, 0
+    return tuple(h[:n] for h in hits), n * self.hash_block_size
+
+  def can_allocate(self, request_id: str, num_tokens: int, new_computed_blocks=None) -> bool:
+    need = sum(
+        m.get_num_blocks_to_allocate(request_id, num_tokens, nc)
+        for m, nc in zip(self.managers, new_computed_blocks or [()] * len(self.managers))
+    )
+    return need <= self.num_free_blocks
+
+  def allocate_slots(
+      self,
+      request_id: str,
+      num_tokens: int,
+      *,
+      num_computed_tokens: int = 0,
+      new_computed_blocks: Sequence[Sequence[KVCacheBlock]] | None = None,
+  ) -> tuple[list[int], ...] | None:
+    """Makes the request own blocks for its first ``num_tokens`` tokens, in every group.
+
+    Args:
+      num_tokens: tokens that need a slot after this step (computed + scheduled + lookahead).
+      num_computed_tokens: tokens already computed; sliding-window groups free what left the window.
+      new_computed_blocks: prefix-cache hits from ``get_computed_blocks`` (first call only).
+
+    Returns:
+      The newly allocated block ids per group (cached hits first), to append to the block-table
+      rows; or None when the pool cannot supply them (nothing is changed: preempt and retry).
+    """
+    for m in self.managers:
+      m.remove_skipped_blocks(request_id, num_computed_tokens)
+    new_computed_blocks = new_computed_blocks or [()] * len(self.managers)
+    if not self.can_allocate(request_id, num_tokens, new_computed_blocks):
+      return None
+    out = []
+    for m, hits in zip(self.managers, new_computed_blocks):
+      m.add_computed_blocks(request_id, hits)
+      out.append([b.block_id for b in hits] + [b.block_id for b in m.allocate_new_blocks(request_id, num_tokens)])
+    return tuple(out)
+
+  def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+    """Indexes the request's full, computed blocks for prefix hits by later requests."""
+    if not self.enable_caching or self.hash_block_size is None:
+      return
+    hashes = self._hashes(request_id, token_ids[:num_computed_tokens])
+    for m in self.managers:
+      m.cache_blocks(request_id, hashes, num_computed_tokens)
+
+  def free(self, request_id: str) -> None:
+    """Releases every block of a finished, aborted or preempted request."""
+    for m in self.managers:
+      m.free(request_id)
+    self._block_hashes.pop(request_id, None)

@@ -1,0 +1,28 @@
+"""GLM-5.3-Flash (``glm5_next``): configuration and KV-cache layout."""
+
+from models.glm5_next.config import BUILTIN_CONFIGS, Glm5NextConfig, get_config, load_config
+from models.glm5_next.kv_cache import (
+    KDA_BACKEND,
+    KPOOL_TAIL_BACKEND,
+    PAGED_MQA_PAGE_SIZES,
+    SPARSE_MLA_BACKEND,
+    fp8_row_bytes,
+    get_kv_cache_layers,
+    indexer_backend,
+    tail_ring_size,
+)
+
+__all__ = [
+    "BUILTIN_CONFIGS",
+    "Glm5NextConfig",
+    "get_config",
+    "load_config",
+    "KDA_BACKEND",
+    "KPOOL_TAIL_BACKEND",
+    "PAGED_MQA_PAGE_SIZES",
+    "SPARSE_MLA_BACKEND",
+    "fp8_row_bytes",
+    "get_kv_cache_layers",
+    "indexer_backend",
+    "tail_ring_size",
+]

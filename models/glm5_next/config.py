@@ -1,0 +1,190 @@
+"""GLM-5.3-Flash (``glm5_next``) text configuration, parsed from HF ``config.json`` (JSON only).
+
+Built-in configs: ``glm-5.3-flash`` (the released text tower) and ``glm-5.3-flash-tiny`` (every
+mechanism at CPU-test size, ``docs/glm-5.3-flash-architecture.md`` section 8).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any
+
+__all__ = ["Glm5NextConfig", "BUILTIN_CONFIGS", "get_config", "load_config"]
+
+_MODEL_TYPES = ("glm5_next", "glm5_next_text")
+_ATTN_ALIASES = {"deepseek_sparse_attention": "indexed_attention", "full_attention": "indexed_attention"}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Glm5NextConfig:
+  vocab_size: int
+  hidden_size: int
+  num_hidden_layers: int
+  layer_types: tuple[str, ...]  # "linear_attention" (KDA) | "indexed_attention" (DSA)
+  mlp_layer_types: tuple[str, ...]  # "dense" | "sparse"
+  indexer_types: tuple[str, ...]  # "full" | "shared"
+  intermediate_size: int
+  moe_intermediate_size: int
+  n_routed_experts: int
+  num_experts_per_tok: int
+  n_shared_experts: int
+  routed_scaling_factor: float
+  norm_topk_prob: bool
+  swiglu_limit: float
+  num_attention_heads: int
+  q_lora_rank: int
+  kv_lora_rank: int
+  qk_nope_head_dim: int
+  v_head_dim: int
+  index_n_heads: int
+  index_head_dim: int
+  index_topk: int
+  index_kpool: int
+  linear_num_heads: int
+  linear_head_dim: int
+  linear_conv_kernel_dim: int
+  linear_gate_lower_bound: float
+  hc_mult: int
+  hc_eps: float
+  hc_sinkhorn_iters: int
+  rms_norm_eps: float
+  num_nextn_predict_layers: int
+  max_position_embeddings: int
+  pad_token_id: int
+  eos_token_id: tuple[int, ...] = ()
+  tie_word_embeddings: bool = False
+
+  def __post_init__(self):
+    n = self.num_hidden_layers
+    for name in ("layer_types", "mlp_layer_types", "indexer_types"):
+      if len(getattr(self, name)) != n:
+        raise ValueError(f"{name} has {len(getattr(self, name))} entries for {n} layers.")
+    bad = sorted(set(self.layer_types) - {"linear_attention", "indexed_attention"})
+    if bad:
+      raise ValueError(f"unknown layer_types {bad}; expected 'linear_attention' or 'indexed_attention'.")
+    if self.index_topk % self.index_kpool:
+      raise ValueError(f"index_topk {self.index_topk} must be a multiple of index_kpool {self.index_kpool}.")
+
+  @property
+  def dsa_layers(self) -> tuple[int, ...]:
+    return tuple(i for i, t in enumerate(self.layer_types) if t == "indexed_attention")
+
+  @property
+  def kda_layers(self) -> tuple[int, ...]:
+    return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+  @classmethod
+  def from_hf_dict(cls, cfg: dict[str, Any]) -> Glm5NextConfig:
+    """From an HF ``config.json`` dict, flat or with ``text_config``."""
+    if "text_config" in cfg:
+      cfg = cfg["text_config"]
+    model_type = cfg.get("model_type")
+    if model_type not in _MODEL_TYPES:
+      raise ValueError(f"model_type {model_type!r} is not a glm5_next config (expected one of {_MODEL_TYPES}).")
+    n = cfg["num_hidden_layers"]
+    lin = cfg.get("linear_attn_config") or {}
+    layer_types = cfg.get("layer_types") or [
+        "linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(n)
+    ]
+    layer_types = tuple(_ATTN_ALIASES.get(t, t) for t in layer_types)
+    eos = cfg.get("eos_token_id")
+    eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    heads = cfg.get("num_attention_heads", 64)
+    return cls(
+        vocab_size=cfg.get("vocab_size", 154880),
+        hidden_size=cfg.get("hidden_size", 4096),
+        num_hidden_layers=n,
+        layer_types=layer_types,
+        mlp_layer_types=tuple(cfg.get("mlp_layer_types") or ["dense"] * 3 + ["sparse"] * (n - 3)),
+        indexer_types=tuple(cfg.get("indexer_types") or ["full"] * n),
+        intermediate_size=cfg.get("intermediate_size", 12288),
+        moe_intermediate_size=cfg.get("moe_intermediate_size", 2048),
+        n_routed_experts=cfg.get("n_routed_experts", 288),
+        num_experts_per_tok=cfg.get("num_experts_per_tok", 8),
+        n_shared_experts=cfg.get("n_shared_experts", 1),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 2.5)),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        swiglu_limit=float(cfg.get("swiglu_limit", 10.0)),
+        num_attention_heads=heads,
+        q_lora_rank=cfg.get("q_lora_rank", 1536),
+        kv_lora_rank=cfg.get("kv_lora_rank", 512),
+        qk_nope_head_dim=cfg.get("qk_nope_head_dim", 256),
+        v_head_dim=cfg.get("v_head_dim", 256),
+        index_n_heads=cfg.get("index_n_heads", 32),
+        index_head_dim=cfg.get("index_head_dim", 128),
+        index_topk=cfg.get("index_topk", 2048),
+        # HF's class default is 16; the released model uses 4.
+        index_kpool=cfg.get("index_kpool", 16),
+        linear_num_heads=lin.get("num_heads", cfg.get("linear_num_heads", 64)),
+        linear_head_dim=lin.get("head_dim", cfg.get("linear_head_dim", 128)),
+        linear_conv_kernel_dim=lin.get("short_conv_kernel_size", cfg.get("linear_conv_kernel_dim", 4)),
+        linear_gate_lower_bound=float(lin.get("gate_lower_bound", cfg.get("linear_lower_bound", -5.0))),
+        hc_mult=cfg.get("hc_mult", 4),
+        hc_eps=float(cfg.get("hc_eps", 1e-6)),
+        hc_sinkhorn_iters=cfg.get("hc_sinkhorn_iters", 20),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        num_nextn_predict_layers=cfg.get("num_nextn_predict_layers", 0),
+        max_position_embeddings=cfg.get("max_position_embeddings", 1048576),
+        pad_token_id=cfg.get("pad_token_id", 154820),
+        eos_token_id=eos,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+
+
+def _released() -> dict:
+  n = 45
+  return {
+      "model_type": "glm5_next_text", "vocab_size": 154880, "hidden_size": 4096, "num_hidden_layers": n,
+      "layer_types": ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(n)],
+      "mlp_layer_types": ["dense"] * 3 + ["sparse"] * (n - 3), "indexer_types": ["full"] * n,
+      "intermediate_size": 12288, "moe_intermediate_size": 2048, "n_routed_experts": 288,
+      "num_experts_per_tok": 8, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+      "norm_topk_prob": True, "swiglu_limit": 10.0, "num_attention_heads": 64, "q_lora_rank": 1536,
+      "kv_lora_rank": 512, "qk_nope_head_dim": 256, "v_head_dim": 256, "index_n_heads": 32,
+      "index_head_dim": 128, "index_topk": 2048, "index_kpool": 4,
+      "linear_attn_config": {"num_heads": 64, "head_dim": 128, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0},
+      "hc_mult": 4, "hc_eps": 1e-6, "hc_sinkhorn_iters": 20, "rms_norm_eps": 1e-5,
+      "num_nextn_predict_layers": 1, "max_position_embeddings": 1048576, "pad_token_id": 154820,
+      "eos_token_id": [154820, 154827, 154829], "tie_word_embeddings": False,
+  }
+
+
+def _tiny() -> dict:
+  return {
+      "model_type": "glm5_next_text", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 6,
+      "pad_token_id": 0,
+      "layer_types": ["linear_attention", "linear_attention", "indexed_attention",
+                      "linear_attention", "indexed_attention", "linear_attention"],
+      "mlp_layer_types": ["dense"] + ["sparse"] * 5, "indexer_types": ["full"] * 6,
+      "intermediate_size": 128, "moe_intermediate_size": 32, "n_routed_experts": 8,
+      "num_experts_per_tok": 2, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+      "norm_topk_prob": True, "swiglu_limit": 10.0, "num_attention_heads": 4, "q_lora_rank": 32,
+      "kv_lora_rank": 32, "qk_nope_head_dim": 16, "v_head_dim": 16, "index_n_heads": 4,
+      "index_head_dim": 16, "index_topk": 8, "index_kpool": 4,
+      "linear_attn_config": {"num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0},
+      "hc_mult": 4, "hc_eps": 1e-6, "hc_sinkhorn_iters": 20, "rms_norm_eps": 1e-5,
+      "num_nextn_predict_layers": 1, "max_position_embeddings": 256, "tie_word_embeddings": False,
+  }
+
+
+BUILTIN_CONFIGS = {"glm-5.3-flash": _released, "glm-5.3-flash-tiny": _tiny}
+
+
+def get_config(name: str) -> Glm5NextConfig:
+  if name not in BUILTIN_CONFIGS:
+    raise ValueError(f"unknown config {name!r}; built-in configs: {sorted(BUILTIN_CONFIGS)}.")
+  return Glm5NextConfig.from_hf_dict(BUILTIN_CONFIGS[name]())
+
+
+def load_config(model_path: str | pathlib.Path) -> Glm5NextConfig:
+  """Parses ``<model_path>/config.json`` (JSON only; nothing from the directory is executed)."""
+  path = pathlib.Path(model_path) / "config.json"
+  if not path.is_file():
+    raise ValueError(f"no config.json in {model_path}; pass --model-path a checkpoint directory.")
+  try:
+    data = json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path} is not valid JSON: {e}") from e
+  return Glm5NextConfig.from_hf_dict(data)

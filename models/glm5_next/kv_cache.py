@@ -1,0 +1,121 @@
+"""The caches GLM-5.3-Flash keeps, as ``jaxkv`` layer specs and backends.
+
+Per DSA layer: the MLA latent (a token cache), the pooled indexer keys (a compressed cache, one
+entry per ``kpool`` tokens, read by paged MQA logits in 32/64-entry pages) and the kpool tail ring
+(raw key + gate of the unfinished pool). Per KDA layer: the conv windows and recurrent state.
+"""
+
+from __future__ import annotations
+
+from jaxkv.attention_backend import AttentionBackend
+from jaxkv.kv_cache_config import KVCacheLayer
+from jaxkv.kv_cache_spec import (
+    CircularBufferSpec,
+    LinearAttentionStateSpec,
+    MLAAttentionSpec,
+    MultipleOf,
+    cdiv,
+)
+from models.glm5_next.config import Glm5NextConfig
+
+__all__ = [
+    "SPARSE_MLA_BACKEND",
+    "KPOOL_TAIL_BACKEND",
+    "KDA_BACKEND",
+    "PAGED_MQA_PAGE_SIZES",
+    "indexer_backend",
+    "tail_ring_size",
+    "get_kv_cache_layers",
+    "fp8_row_bytes",
+]
+
+# Pooled entries per page that the paged MQA logits kernel reads (DeepGEMM's block_kv).
+PAGED_MQA_PAGE_SIZES = (32, 64)
+# The sparse MLA kernel gathers single rows by token index: any multiple of 64 tokens.
+SPARSE_MLA_BACKEND = AttentionBackend("glm5_sparse_mla", (MultipleOf(64),))
+KPOOL_TAIL_BACKEND = AttentionBackend("kpool_tail", (MultipleOf(1),))
+KDA_BACKEND = AttentionBackend("kda_state", ())
+
+CACHE_DTYPES = ("bfloat16", "float32", "fp8")
+
+
+def indexer_backend(kpool: int) -> AttentionBackend:
+  """Pages of 32 or 64 pooled entries: ``kpool * 32`` or ``kpool * 64`` tokens."""
+  return AttentionBackend("glm5_indexer", tuple(kpool * p for p in PAGED_MQA_PAGE_SIZES))
+
+
+def tail_ring_size(kpool: int, num_speculative_tokens: int = 0) -> int:
+  """Ring slots: room for a rejected pool-completing draft without overwriting what its redo reads."""
+  return kpool * cdiv(kpool + num_speculative_tokens, kpool)
+
+
+def fp8_row_bytes(dim: int) -> int:
+  """``dim`` fp8 values and one fp32 scale per 128 of them (132 bytes for 128)."""
+  return dim + cdiv(dim, 128) * 4
+
+
+def _cache_spec_args(dim: int, cache_dtype: str) -> dict:
+  if cache_dtype not in CACHE_DTYPES:
+    raise ValueError(f"cache dtype {cache_dtype!r} is not one of {CACHE_DTYPES}.")
+  if cache_dtype == "fp8":
+    return {"head_size": dim, "dtype": "uint8", "state_content_bytes": fp8_row_bytes(dim)}
+  return {"head_size": dim, "dtype": cache_dtype}
+
+
+def get_kv_cache_layers(
+    config: Glm5NextConfig,
+    *,
+    block_size: int,
+    kv_cache_dtype: str = "bfloat16",
+    indexer_cache_dtype: str = "fp8",
+    state_dtype: str = "bfloat16",
+    num_speculative_tokens: int = 0,
+) -> list[KVCacheLayer]:
+  """Every cache of the text tower, in layer order.
+
+  Args:
+    block_size: manager block size for the token caches.
+    kv_cache_dtype: MLA latent cache: ``"bfloat16"``, ``"float32"`` or ``"fp8"`` (e4m3 + scales).
+    indexer_cache_dtype: pooled indexer keys: ``"fp8"`` (132-byte rows, as vLLM serves them) or
+      ``"bfloat16"`` / ``"float32"`` (exact runs).
+    state_dtype: the tail ring's raw keys and gates and the KDA conv windows (model dtype).
+    num_speculative_tokens: drafts per step; widens the tail ring.
+  """
+  kpool = config.index_kpool
+  ring = tail_ring_size(kpool, num_speculative_tokens)
+  idx_backend = indexer_backend(kpool)
+  conv_width = config.linear_num_heads * config.linear_head_dim
+  layers: list[KVCacheLayer] = []
+  for i, kind in enumerate(config.layer_types):
+    prefix = f"layers.{i}.self_attn"
+    if kind == "indexed_attention":
+      layers.append(KVCacheLayer(
+          f"{prefix}.mla",
+          MLAAttentionSpec(block_size=block_size, num_kv_heads=1, cache_role="latent",
+                           **_cache_spec_args(config.kv_lora_rank, kv_cache_dtype)),
+          SPARSE_MLA_BACKEND,
+      ))
+      layers.append(KVCacheLayer(
+          f"{prefix}.indexer",
+          MLAAttentionSpec(block_size=block_size, num_kv_heads=1, cache_role="indexer", compress_ratio=kpool,
+                           **_cache_spec_args(config.index_head_dim, indexer_cache_dtype)),
+          idx_backend,
+      ))
+      layers.append(KVCacheLayer(
+          f"{prefix}.indexer_tail",
+          # Head slot 0 holds the raw key, slot 1 the gate, of each unfinished-pool token.
+          CircularBufferSpec(block_size=ring, num_kv_heads=2, head_size=config.index_head_dim, head_size_v=0,
+                             dtype=state_dtype),
+          KPOOL_TAIL_BACKEND,
+      ))
+    else:
+      k = config.linear_conv_kernel_dim - 1
+      h, d = config.linear_num_heads, config.linear_head_dim
+      layers.append(KVCacheLayer(
+          f"{prefix}.kda",
+          # q, k, v conv windows, then the fp32 delta-rule state.
+          LinearAttentionStateSpec(block_size=block_size, shapes=((k, conv_width),) * 3 + ((h, d, d),),
+                                   dtypes=(state_dtype,) * 3 + ("float32",)),
+          KDA_BACKEND,
+      ))
+  return layers

@@ -1,0 +1,111 @@
+"""Ports of vLLM's tests/v1/worker/test_attn_utils.py (packed and split mapping, token-cache error)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv import (
+    AttentionBackend,
+    AttentionGroup,
+    CommonAttentionMetadata,
+    FullAttentionSpec,
+    MLAAttentionSpec,
+    MultipleOf,
+)
+
+INDEXER = AttentionBackend("glm5_indexer", (128, 256))
+ROW = 132
+
+
+def kpool_spec(block_size=1024, tps=4, row=ROW):
+  return MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=128, dtype="uint8",
+                          state_content_bytes=row, compress_ratio=tps, block_stride_alignment=MultipleOf(256))
+
+
+def test_packed_compressed_group_gets_restrided_kernel_table():
+  group = AttentionGroup.create(INDEXER, ("idx",), kpool_spec(), 0, kernel_block_size=1024)
+  assert group.kernel_block_size == 256 and group.blocks_per_kernel_block == 4
+  # Three packed blocks of 320 rows of 132 bytes; this layer's 256 states are the first 256 rows.
+  rng = np.random.default_rng(0)
+  arena = jnp.asarray(rng.integers(0, 256, (3, 320 * ROW), dtype=np.uint8))
+  view = group.map_kv_cache_to_kernel_blocks(arena)
+  assert group.kernel_block_stride == 5
+  assert view.rows.shape == (15, 64 * ROW) and view.base_row == 0 and view.page_bytes == 64 * ROW
+  kt = group.map_to_kernel_block_table(jnp.array([[0, 2]], jnp.int32))
+  np.testing.assert_array_equal(kt, [[0, 1, 2, 3, 10, 11, 12, 13]])
+  # Pages 10..13, flattened, are manager block 2's 256 states.
+  pages = np.asarray(view.rows)[np.asarray(kt[0, 4:])].reshape(-1)
+  np.testing.assert_array_equal(pages, np.asarray(arena)[2, : 256 * ROW])
+
+
+def test_split_group_keeps_dense_stride():
+  group = AttentionGroup.create(INDEXER, ("idx",), kpool_spec(), 0, kernel_block_size=256)
+  cache = jnp.zeros((12, 64 * ROW), jnp.uint8)  # allocated already split: 3 blocks x 4 pages
+  view = group.map_kv_cache_to_kernel_blocks(cache)
+  assert view.rows is cache and group.kernel_block_stride == 0 and group.stride == 4
+  np.testing.assert_array_equal(group.map_to_kernel_block_table(jnp.array([[0, 2]], jnp.int32)),
+                                [[0, 1, 2, 3, 8, 9, 10, 11]])
+
+
+def test_packed_token_cache_cannot_be_split():
+  spec = MLAAttentionSpec(block_size=1024, num_kv_heads=1, head_size=1152, dtype="uint8", state_content_bytes=1152)
+  group = AttentionGroup.create(AttentionBackend("sparse", (64,)), ("mla",), spec, 0, kernel_block_size=1024)
+  assert group.kernel_block_size == 64
+  arena = jax.ShapeDtypeStruct((3, 2048 * 1152), jnp.uint8)
+  with pytest.raises(ValueError, match="cannot be split into. Reduce --block-size to 64"):
+    group.map_kv_cache_to_kernel_blocks(arena)
+
+
+def test_packed_compressed_cache_misaligned_offset_raises():
+  group = AttentionGroup.create(INDEXER, ("idx",), kpool_spec(), 0)
+  with pytest.raises(ValueError, match="page offset 132"):
+    group.map_kv_cache_to_kernel_blocks(jax.ShapeDtypeStruct((3, 320 * ROW), jnp.uint8), page_offset_bytes=ROW)
+
+
+def test_packed_offset_layer_addresses_its_own_pages():
+  group = AttentionGroup.create(INDEXER, ("idx",), kpool_spec(), 0)
+  rng = np.random.default_rng(1)
+  arena = jnp.asarray(rng.integers(0, 256, (3, 384 * ROW), dtype=np.uint8))
+  view = group.map_kv_cache_to_kernel_blocks(arena, page_offset_bytes=64 * ROW)  # another layer's page first
+  assert group.kernel_block_stride == 6 and view.base_row == 1
+  kt = np.asarray(group.map_to_kernel_block_table(jnp.array([[1]], jnp.int32)))
+  got = np.asarray(view.rows)[view.base_row + kt[0]].reshape(-1)
+  np.testing.assert_array_equal(got, np.asarray(arena)[1, 64 * ROW: 320 * ROW])
+
+
+def test_kernel_block_size_must_divide_block_size():
+  with pytest.raises(ValueError, match="Kernel block size 96 does not divide the KV cache block size 1024"):
+    AttentionGroup.create(AttentionBackend("any", (MultipleOf(32),)), ("l",), kpool_spec(), 0, kernel_block_size=96)
+
+
+def test_no_split_without_kernel_size():
+  spec = FullAttentionSpec(block_size=64, num_kv_heads=1, head_size=8, dtype="float32")
+  group = AttentionGroup.create(AttentionBackend("any"), ("l",), spec, 0)
+  assert group.kernel_block_size is None and group.stride == 1
+  table = jnp.array([[3, 4]], jnp.int32)
+  assert group.map_to_kernel_block_table(table) is table
+
+
+def test_normal_padded_and_drafting_builds_share_one_mapping():
+  group = AttentionGroup.create(INDEXER, ("idx",), kpool_spec(), 0)
+  group.map_kv_cache_to_kernel_blocks(jax.ShapeDtypeStruct((8, 320 * ROW), jnp.uint8))
+  rng = np.random.default_rng(2)
+  table = jnp.asarray(rng.permutation(8)[:6].reshape(3, 2).astype(np.int32))
+  cm = CommonAttentionMetadata(
+      block_table=table, num_blocks_per_row=jnp.full(3, 2, jnp.int32), slot_mapping=jnp.arange(5, dtype=jnp.int32),
+      req_indices=jnp.zeros(5, jnp.int32), positions=jnp.arange(5, dtype=jnp.int32), seq_lens=jnp.ones(3, jnp.int32),
+      query_start_loc=jnp.arange(4, dtype=jnp.int32), num_reqs=jnp.int32(3))
+  buf = group.init_kernel_block_table(4, 2)
+  outs = [
+      group.build_metadata(cm, jnp.copy(buf)),
+      group.build_metadata_for_padded_batch(cm, jnp.copy(buf)),
+      group.build_metadata_for_drafting(cm, jnp.copy(buf)),
+  ]
+  expected = np.asarray(table)[:, :, None] * 5 + np.arange(4)
+  for out in outs:
+    np.testing.assert_array_equal(np.asarray(out.block_table)[:3], expected.reshape(3, 8))
+    assert out.slot_mapping is cm.slot_mapping  # manager-unit slots pass through unchanged
+  assert dataclasses.replace(cm).block_table is table

@@ -1,0 +1,31 @@
+import json
+import subprocess
+import sys
+
+from jaxkv.cli import main
+
+
+def test_inspect_json_glm(capsys):
+  assert main(["inspect", "--config", "glm-5.3-flash", "--block-size", "1024", "--json"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert len(out["model"]["dsa_layers"]) == 11 and len(out["model"]["kda_layers"]) == 34
+  plan = out["plan"]
+  assert plan["block_size"] == 1024 and plan["layout"] == "packed"
+  kinds = [g["kind"] for g in plan["kv_cache_groups"]]
+  assert kinds[0] == "MLAAttentionSpec" and kinds[-1] == "CircularBufferSpec"
+  idx = [ag for ag in plan["attention_groups"] if ag["backend"].startswith("glm5_indexer")][0]
+  assert idx["kernel_block_size"] == 256 and idx["kv_cache_spec"]["resolved_block_stride_alignment"] == 8448
+
+
+def test_inspect_text_and_errors(capsys):
+  assert main(["inspect", "--config", "glm-5.3-flash-tiny", "--block-size", "256", "--memory-gib", "0.5",
+               "--layout", "dense"]) == 0
+  text = capsys.readouterr().out
+  assert "manager block size   256 tokens" in text and "glm5_indexer" in text
+  assert main(["inspect", "--block-size", "1024", "--kernel-block-size", "256"]) == 2
+  assert "cannot be split into" in capsys.readouterr().err
+
+
+def test_module_entry_point_help():
+  out = subprocess.run([sys.executable, "-m", "jaxkv", "inspect", "--help"], capture_output=True, text=True, check=True)
+  assert "--layout" in out.stdout and "--json" in out.stdout
