@@ -1,0 +1,85 @@
+"""Helpers shared by the kernels and their references (pure jnp, usable inside kernel bodies)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+IMPLEMENTATIONS = ("pallas", "xla")
+FP8_MAX = 448.0
+FP8_DTYPE = jnp.float8_e4m3fn
+# Smallest amax a scale is derived from: keeps an all-zero vector's scale finite.
+FP8_AMAX_FLOOR = 1e-4
+
+
+def check_implementation(implementation: str) -> None:
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}.")
+
+
+def default_interpret(interpret: bool | None) -> bool:
+  """Pallas GPU kernels run in interpret mode on the CPU (CI), compiled on a GPU."""
+  return jax.default_backend() == "cpu" if interpret is None else interpret
+
+
+def pow2_scale_exponent(amax: jax.Array) -> jax.Array:
+  """``ceil(log2(max(amax, floor) / 448))`` exactly, by integer ops on the float32 bits.
+
+  Integer arithmetic keeps the kernel and the reference bit-identical (no ``log2`` rounding).
+  """
+  r = jnp.maximum(amax.astype(jnp.float32), FP8_AMAX_FLOOR) / FP8_MAX
+  bits = jax.lax.bitcast_convert_type(r, jnp.int32)
+  exponent = ((bits >> 23) & 0xFF) - 127
+  return exponent + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
+
+
+def exp2_int(e: jax.Array) -> jax.Array:
+  """``2.0 ** e`` for int32 ``e`` in the normal float32 range, built from its bits."""
+  return jax.lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
+
+
+def quantize_fp8_pow2(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Per-row fp8 e4m3 with one power-of-two fp32 scale: ``x ~= q * scale``.
+
+  Args:
+    x: float ``[..., D]``.
+  Returns:
+    ``q`` float8_e4m3fn ``[..., D]`` and ``scale`` float32 ``[..., 1]``.
+  """
+  x = x.astype(jnp.float32)
+  e = pow2_scale_exponent(jnp.max(jnp.abs(x), axis=-1, keepdims=True))
+  q = jnp.clip(x * exp2_int(-e), -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+  return q, exp2_int(e)
+
+
+_UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+def value_bytes(x: jax.Array) -> jax.Array:
+  """Little-endian bytes of ``x[..., D]`` as uint8 ``[..., D * itemsize]``.
+
+  Only same-width bitcasts and shifts: Pallas GPU kernels cannot bitcast across widths.
+  """
+  width = x.dtype.itemsize
+  if width == 1:
+    return jax.lax.bitcast_convert_type(x, jnp.uint8)
+  bits = jax.lax.bitcast_convert_type(x, _UINT_OF_WIDTH[width]).astype(jnp.uint32)
+  shifts = jnp.arange(width, dtype=jnp.uint32) * 8
+  out = ((bits[..., None] >> shifts) & 0xFF).astype(jnp.uint8)
+  return out.reshape(*x.shape[:-1], x.shape[-1] * width)
+
+
+def f32_bytes(x: jax.Array) -> jax.Array:
+  """Little-endian bytes of float32 ``x[...]`` as uint8 ``[..., 4]``."""
+  return value_bytes(x.astype(jnp.float32)[..., None])
+
+
+def pow2_chunks(n: int) -> list[tuple[int, int]]:
+  """``[(start, size)]`` covering ``[0, n)`` with power-of-two sizes (Triton block shapes)."""
+  out, start = [], 0
+  for bit in reversed(range(n.bit_length())):
+    size = 1 << bit
+    if n & size:
+      out.append((start, size))
+      start += size
+  return out

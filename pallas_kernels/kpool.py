@@ -1,0 +1,275 @@
+"""kpool compression: pooled indexer keys written into paged caches, through the kpool tail ring.
+
+GLM-5.3-Flash's indexer scores *pools* of ``kpool`` tokens. The raw key and gate of each token of
+the unfinished pool live in the request's tail ring (a ``CircularBufferSpec`` block of ``ring``
+slots, slot ``table[r, 0] * ring + pos % ring``). When a token completes a pool
+(``pos % kpool == kpool - 1``) the pool's tokens are combined per channel,
+
+    w[i, d] = softmax_i(gate[i, d] + ape[i, d]),   k_pool[d] = sum_i w[i, d] * key[i, d],
+
+rounded to the model dtype, and written as one entry of the compressed cache page that the
+kernel-block table addresses (slot from ``compute_compressed_slot_mapping``: page ``slot // P``,
+entry ``slot % P`` of the re-strided kernel view).
+
+Page layout (P entries of D channels): fp8 ``[P x D e4m3 | P x fp32 power-of-two scale]``
+(132-byte entries for D = 128, as vLLM/DeepGEMM lay them out), or ``[P x D]`` bf16/f32 values
+for exact runs.
+
+A step's tokens of one request are contiguous and in position order, so a pool's earlier tokens
+come from the batch when they are in it and from the ring otherwise; a chunk may start and end
+mid-pool and complete many pools. After compression, each request's last ``ring`` tokens of the
+step are stashed into the ring (keys in head slot 0, gates in head slot 1).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float, Int, UInt8
+
+from pallas_kernels._common import (
+    FP8_DTYPE,
+    FP8_MAX,
+    check_implementation,
+    default_interpret,
+    exp2_int,
+    pow2_scale_exponent,
+    value_bytes,
+)
+from pallas_kernels.cache_write import encode_entries, write_to_paged_cache
+
+__all__ = [
+    "kpool_compress_and_write",
+    "kpool_compress_and_write_reference",
+    "combine_pool",
+    "indexer_page_bytes",
+    "read_indexer_entries",
+]
+
+INDEXER_CACHE_DTYPES = ("fp8", "bfloat16", "float32")
+
+
+def indexer_page_bytes(states_per_page: int, head_dim: int, cache_dtype: str) -> int:
+  if cache_dtype == "fp8":
+    return states_per_page * (head_dim + 4)
+  return states_per_page * head_dim * jnp.dtype(cache_dtype).itemsize
+
+
+def combine_pool(keys: Float[Array, "... K D"], gates: Float[Array, "... K D"], ape: Float[Array, "K D"]):
+  """Per-channel softmax over the pool's tokens of ``gate + ape`` weighting the keys (float32)."""
+  s = gates.astype(jnp.float32) + ape.astype(jnp.float32)
+  w = jnp.exp(s - jnp.max(s, axis=-2, keepdims=True))
+  w = w / jnp.sum(w, axis=-2, keepdims=True)
+  return jnp.sum(w * keys.astype(jnp.float32), axis=-2)
+
+
+def _encode_pooled(x: Float[Array, "... D"], model_dtype, cache_dtype: str):
+  """Pooled key rounded to the model dtype, then as cache bytes: (values, 4 scale bytes or None)."""
+  x = x.astype(model_dtype).astype(jnp.float32)
+  if cache_dtype != "fp8":
+    return value_bytes(x.astype(cache_dtype)), None
+  e = pow2_scale_exponent(jnp.max(jnp.abs(x), axis=-1, keepdims=True))
+  q = jnp.clip(x * exp2_int(-e), -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+  return value_bytes(q), value_bytes(exp2_int(e))
+
+
+def _kpool_kernel(slots_ref, keys_ref, gates_ref, ape_ref, cache_in_ref, cache_ref, *,
+                  base_row, states_per_page, cache_dtype):
+  # slots_ref: [T]; keys_ref / gates_ref: [T, K, D] (the pool ending at each token);
+  # ape_ref: [K, D]; cache_ref: [num_rows, page_bytes] kernel pages (aliases cache_in_ref).
+  del cache_in_ref
+  t = pl.program_id(0)
+  slot = slots_ref[t]
+
+  @pl.when(slot >= 0)
+  def _():
+    pooled = combine_pool(keys_ref[t], gates_ref[t], ape_ref[...])
+    values, scale = _encode_pooled(pooled, keys_ref.dtype, cache_dtype)
+    row = base_row + slot // states_per_page
+    entry = slot % states_per_page
+    width = values.shape[-1]
+    cache_ref[row, pl.ds(entry * width, width)] = values
+    if scale is not None:
+      cache_ref[row, pl.ds(states_per_page * width + entry * 4, 4)] = scale
+
+
+def _pool_sources(tail, keys, gates, positions, req_indices, tail_slots, *, kpool, ring, tail_page_offset_bytes):
+  """Keys and gates ``[T, kpool, D]`` of the pool ending at each token (batch first, then ring)."""
+  t, d = keys.shape
+  itemsize = keys.dtype.itemsize
+  block = jnp.maximum(tail_slots, 0) // ring
+  srcs_k, srcs_g = [], []
+  for j in range(kpool - 1, -1, -1):  # token pos - j
+    p = positions - j
+    idx = jnp.arange(t) - j
+    in_batch = (idx >= 0) & (req_indices[jnp.maximum(idx, 0)] == req_indices) & (positions[jnp.maximum(idx, 0)] == p)
+    col = tail_page_offset_bytes + (p % ring)[:, None] * (d * itemsize) + jnp.arange(d * itemsize)
+    ring_k = jax.lax.bitcast_convert_type(tail[block[:, None], col].reshape(t, d, itemsize), keys.dtype)
+    ring_g = jax.lax.bitcast_convert_type(
+        tail[block[:, None], col + ring * d * itemsize].reshape(t, d, itemsize), keys.dtype)
+    b = jnp.maximum(idx, 0)
+    srcs_k.append(jnp.where(in_batch[:, None], keys[b], ring_k))
+    srcs_g.append(jnp.where(in_batch[:, None], gates[b], ring_g))
+  return jnp.stack(srcs_k, axis=1), jnp.stack(srcs_g, axis=1)
+
+
+def _stash_slots(positions, req_indices, tail_slots, ring):
+  """Tail slots of each request's last ``ring`` tokens of the step; -1 for the others."""
+  t = positions.shape[0]
+  later = jnp.minimum(jnp.arange(t) + ring, t - 1)
+  overwritten = (jnp.arange(t) + ring < t) & (req_indices[later] == req_indices) & (positions[later] == positions + ring)
+  return jnp.where(overwritten, -1, tail_slots)
+
+
+def _validate(cache, tail, keys, gates, ape, positions, req_indices, tail_slots, compressed_slots, *,
+              kpool, ring, base_row, states_per_page, cache_dtype, tail_page_offset_bytes):
+  t, d = keys.shape if keys.ndim == 2 else (None, None)
+  if keys.ndim != 2 or gates.shape != keys.shape or gates.dtype != keys.dtype:
+    raise ValueError(f"keys and gates must be [num_tokens, D] of one dtype, got {keys.dtype}{list(keys.shape)} "
+                     f"and {gates.dtype}{list(gates.shape)}.")
+  if ape.shape != (kpool, d):
+    raise ValueError(f"ape must be [{kpool}, {d}], got {list(ape.shape)}.")
+  for name, a in (("positions", positions), ("req_indices", req_indices), ("tail_slots", tail_slots),
+                  ("compressed_slots", compressed_slots)):
+    if a.shape != (t,) or a.dtype != jnp.int32:
+      raise ValueError(f"{name} must be int32[{t}], got {a.dtype}{list(a.shape)}.")
+  if cache_dtype not in INDEXER_CACHE_DTYPES:
+    raise ValueError(f"cache_dtype must be one of {INDEXER_CACHE_DTYPES}, got {cache_dtype!r}.")
+  page = indexer_page_bytes(states_per_page, d, cache_dtype)
+  if cache.ndim != 2 or cache.dtype != jnp.uint8 or cache.shape[1] != page:
+    raise ValueError(f"cache must be uint8[num_pages, {page}] kernel pages ({states_per_page} entries of {d} "
+                     f"channels, {cache_dtype}), got {cache.dtype}{list(cache.shape)}.")
+  if not 0 <= base_row < cache.shape[0]:
+    raise ValueError(f"base_row {base_row} is outside the cache's {cache.shape[0]} pages.")
+  if ring < kpool or ring % kpool:
+    raise ValueError(f"the tail ring of {ring} slots must be a multiple of kpool {kpool}.")
+  end = tail_page_offset_bytes + 2 * ring * d * keys.dtype.itemsize
+  if tail.ndim != 2 or tail.dtype != jnp.uint8 or end > tail.shape[1]:
+    raise ValueError(f"tail must be uint8[num_blocks, row_bytes] holding a [2, {ring}, {d}] {keys.dtype} page at "
+                     f"byte {tail_page_offset_bytes}, got {tail.dtype}{list(tail.shape)}.")
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("kpool", "ring", "base_row", "states_per_page", "cache_dtype", "tail_page_offset_bytes",
+                     "implementation", "interpret"),
+    donate_argnames=("cache", "tail"),
+)
+def kpool_compress_and_write(
+    cache: UInt8[Array, "N R"],
+    tail: UInt8[Array, "Nt Rt"] | None,
+    keys: Float[Array, "T D"],
+    gates: Float[Array, "T D"],
+    ape: Float[Array, "K D"],
+    positions: Int[Array, "T"],
+    req_indices: Int[Array, "T"],
+    tail_slots: Int[Array, "T"],
+    compressed_slots: Int[Array, "T"],
+    *,
+    kpool: int,
+    ring: int,
+    base_row: int,
+    states_per_page: int,
+    cache_dtype: str = "fp8",
+    tail_page_offset_bytes: int = 0,
+    implementation: str = "pallas",
+    interpret: bool | None = None,
+):
+  """Compresses completed pools into the indexer cache and stashes the step's tail tokens.
+
+  Args:
+    cache: uint8 ``[num_rows, row_bytes]`` backing array of the indexer (the packed arena, or a
+      dense layer array of kernel pages); seen inside as kernel pages ``[-1, page_bytes]``
+      (``KernelPagedView``). Donated.
+    tail: uint8 ``[num_blocks, row_bytes]`` holding the tail ring pages, or None when the ring
+      lives in ``cache`` itself (packed layout: one arena). Donated.
+    keys, gates: ``[num_tokens, D]`` raw indexer key (after its LayerNorm) and gate, model dtype.
+    ape: float32 ``[kpool, D]`` position bias of the pool's tokens.
+    positions, req_indices: int32 ``[num_tokens]``; a request's tokens contiguous, in order.
+    tail_slots: int32 ``[num_tokens]`` from ``compute_circular_slot_mapping`` (-1: padding).
+    compressed_slots: int32 ``[num_tokens]`` from ``compute_compressed_slot_mapping``.
+    kpool, ring: pool size and ring capacity.
+    base_row, states_per_page: the indexer's ``KernelPagedView.base_row`` and entries per page.
+    cache_dtype: ``"fp8"`` (with scales), ``"bfloat16"`` or ``"float32"``.
+    tail_page_offset_bytes: the ring page's offset inside each row of its array.
+
+  Returns:
+    ``(cache, tail)`` updated (``tail`` is None when it lives in ``cache``).
+  """
+  check_implementation(implementation)
+  shared = tail is None
+  tail_rows = cache if shared else tail
+  d = keys.shape[-1] if keys.ndim == 2 else 0
+  page = indexer_page_bytes(states_per_page, d, cache_dtype) if cache_dtype in INDEXER_CACHE_DTYPES else 0
+  if cache.ndim != 2 or cache.dtype != jnp.uint8 or not page or cache.shape[1] % page:
+    raise ValueError(f"cache must be uint8[num_rows, row_bytes] with rows of whole {page}-byte kernel pages "
+                     f"({states_per_page} entries of {d} channels, {cache_dtype}), got {cache.dtype}{list(cache.shape)}.")
+  pages = cache.reshape(-1, page)
+  _validate(pages, tail_rows, keys, gates, ape, positions, req_indices, tail_slots, compressed_slots, kpool=kpool,
+            ring=ring, base_row=base_row, states_per_page=states_per_page, cache_dtype=cache_dtype,
+            tail_page_offset_bytes=tail_page_offset_bytes)
+  # Read the pools' earlier tokens from the ring before this step overwrites it.
+  pool_k, pool_g = _pool_sources(tail_rows, keys, gates, positions, req_indices, tail_slots, kpool=kpool, ring=ring,
+                                 tail_page_offset_bytes=tail_page_offset_bytes)
+  if implementation == "xla":
+    pages = _write_pools_reference(pages, pool_k, pool_g, ape, compressed_slots, base_row=base_row,
+                                   states_per_page=states_per_page, cache_dtype=cache_dtype)
+  else:
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    pages = pl.pallas_call(
+        functools.partial(_kpool_kernel, base_row=base_row, states_per_page=states_per_page, cache_dtype=cache_dtype),
+        out_shape=jax.ShapeDtypeStruct(pages.shape, pages.dtype),
+        grid=(keys.shape[0],),
+        in_specs=[any_spec] * 5,
+        out_specs=any_spec,
+        input_output_aliases={4: 0},
+        interpret=default_interpret(interpret),
+        name="kpool_compress",
+    )(compressed_slots, pool_k, pool_g, ape.astype(jnp.float32), pages)
+  cache = pages.reshape(cache.shape)
+  # Stash the raw keys (head slot 0) and gates (head slot 1) of each request's last ring tokens.
+  stash = _stash_slots(positions, req_indices, tail_slots, ring)
+  tail_rows = cache if shared else tail
+  head_bytes = ring * d * keys.dtype.itemsize
+  for head, x in enumerate((keys, gates)):
+    tail_rows = write_to_paged_cache(tail_rows, encode_entries(x, jnp.dtype(keys.dtype).name), stash,
+                                     tokens_per_row=ring, page_offset_bytes=tail_page_offset_bytes + head * head_bytes,
+                                     implementation=implementation, interpret=interpret)
+  return (tail_rows, None) if shared else (cache, tail_rows)
+
+
+def _write_pools_reference(cache, pool_k, pool_g, ape, slots, *, base_row, states_per_page, cache_dtype):
+  pooled = combine_pool(pool_k, pool_g, ape)
+  values, scale = _encode_pooled(pooled, pool_k.dtype, cache_dtype)
+  valid = slots >= 0
+  rows = jnp.where(valid, base_row + slots // states_per_page, cache.shape[0])
+  entry = (slots % states_per_page)[:, None]
+  width = values.shape[-1]
+  cache = cache.at[rows[:, None], entry * width + jnp.arange(width)].set(values, mode="drop")
+  if scale is not None:
+    cache = cache.at[rows[:, None], states_per_page * width + entry * 4 + jnp.arange(4)].set(scale, mode="drop")
+  return cache
+
+
+def kpool_compress_and_write_reference(cache, tail, keys, gates, ape, positions, req_indices, tail_slots,
+                                       compressed_slots, **kwargs):
+  """Plain jnp (XLA) implementation with the same arguments."""
+  return kpool_compress_and_write(cache, tail, keys, gates, ape, positions, req_indices, tail_slots,
+                                  compressed_slots, **kwargs, implementation="xla")
+
+
+def read_indexer_entries(pages: UInt8[Array, "N Pb"], page_ids: Int[Array, "..."], *, states_per_page: int,
+                         head_dim: int, cache_dtype: str) -> tuple[jax.Array, jax.Array]:
+  """Entries of whole pages ``[..., P, D]`` (float32 values as stored) and their scales ``[..., P]``."""
+  rows = pages[page_ids]
+  p, d = states_per_page, head_dim
+  if cache_dtype == "fp8":
+    values = jax.lax.bitcast_convert_type(rows[..., : p * d], FP8_DTYPE).astype(jnp.float32)
+    scales = jax.lax.bitcast_convert_type(rows[..., p * d: p * d + 4 * p].reshape(*rows.shape[:-1], p, 4), jnp.float32)
+    return values.reshape(*rows.shape[:-1], p, d), scales
+  itemsize = jnp.dtype(cache_dtype).itemsize
+  values = jax.lax.bitcast_convert_type(rows.reshape(*rows.shape[:-1], p, d, itemsize), jnp.dtype(cache_dtype))
+  return values.astype(jnp.float32), jnp.ones(rows.shape[:-1] + (p,), jnp.float32)
