@@ -95,7 +95,9 @@ def test_chunked_compression_matches_whole_sequence_pooling(layout, cache_dtype,
       amax = np.abs(np.asarray(want)).max(-1, keepdims=True)
       np.testing.assert_allclose(got, want, rtol=2**-4, atol=float(amax.max()) * 2**-9)
     else:
-      np.testing.assert_array_equal(got, want)
+      # The same math in another fusion may differ by one rounding of the model dtype.
+      eps = float(jnp.finfo(model_dtype).eps)
+      np.testing.assert_allclose(got, want, rtol=eps, atol=eps * 1e-2)
 
 
 def test_tail_ring_holds_each_requests_last_tokens():
