@@ -95,9 +95,9 @@ def test_chunked_compression_matches_whole_sequence_pooling(layout, cache_dtype,
       amax = np.abs(np.asarray(want)).max(-1, keepdims=True)
       np.testing.assert_allclose(got, want, rtol=2**-4, atol=float(amax.max()) * 2**-9)
     else:
-      # The same math in another fusion may differ by one rounding of the model dtype.
+      # The same math fused differently may differ by a few roundings of the model dtype.
       eps = float(jnp.finfo(model_dtype).eps)
-      np.testing.assert_allclose(got, want, rtol=eps, atol=eps * 1e-2)
+      np.testing.assert_allclose(got, want, rtol=8 * eps, atol=eps * float(np.abs(want).max()))
 
 
 def test_tail_ring_holds_each_requests_last_tokens():
