@@ -1,0 +1,194 @@
+"""Paged MQA logits over pooled indexer keys (DeepGEMM ``fp8_paged_mqa_logits`` semantics).
+
+For query row ``(b, n)`` and pooled entry ``e`` of request ``b``:
+
+    logits[b * next_n + n, e] = sum_h relu(q[b, n, h] . k[e]) * scale[e] * w[b * next_n + n, h]
+
+and ``-inf`` for ``e >= context_lens[b, n]`` (the entries that row sees). Entry ``e`` lives in
+kernel page ``kernel_block_table[b, e // P]``, slot ``e % P``, of the indexer's kernel pages:
+fp8 ``[P x D e4m3 | P x fp32 scale]`` (132-byte entries for D = 128) or bf16/f32 ``[P x D]``
+without scales (exact runs). The arena is read in place: the kernel takes free typed bitcasts of
+it (bytes as fp8 values, words as fp32 scales).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float, Int, UInt8
+
+from pallas_kernels._common import FP8_DTYPE, check_implementation, default_interpret
+from pallas_kernels.kpool import INDEXER_CACHE_DTYPES, indexer_page_bytes, read_indexer_entries
+
+__all__ = ["paged_mqa_logits", "paged_mqa_logits_reference"]
+
+_MIN_DOT_ROWS = 16  # Triton's smallest dot tile
+
+
+def _paged_mqa_logits_kernel(q_ref, w_ref, ctx_ref, kt_ref, values_ref, scales_ref, out_ref, *,
+                             base_row, states_per_page, head_dim, next_n, pages_per_program):
+  # q_ref: [B, next_n, H, D]; w_ref: [B * next_n, H]; ctx_ref: [B, next_n]; kt_ref: [B, num_pages];
+  # values_ref: [rows, page_elems] pages as values; scales_ref: [rows, page_words] f32 or None;
+  # out_ref: [B * next_n, num_pages * P].
+  b = pl.program_id(0)
+  chunk = pl.program_id(1)
+  p, d = states_per_page, head_dim
+  # fp8 and bf16 operands are exact in bf16 (tensor cores); float32 runs stay float32.
+  dot_dtype = jnp.float32 if values_ref.dtype == jnp.float32 else jnp.bfloat16
+  precision = jax.lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
+  qs = [q_ref[b, n].astype(dot_dtype) for n in range(next_n)]  # [H, D] each
+  ws = [w_ref[b * next_n + n] for n in range(next_n)]  # [H]
+  ctx = [ctx_ref[b, n] for n in range(next_n)]
+  max_ctx = ctx[0]
+  for c in ctx[1:]:
+    max_ctx = jnp.maximum(max_ctx, c)
+  entry = jnp.arange(p, dtype=jnp.int32)
+
+  def body(i, carry):
+    page = chunk * pages_per_program + i
+    col = page * p
+
+    @pl.when(col < max_ctx)
+    def _():
+      row = base_row + kt_ref[b, page]
+      k = values_ref[row, pl.ds(0, p * d)].reshape(p, d).astype(dot_dtype)
+      scale = scales_ref[row, pl.ds(p * d // 4, p)] if scales_ref is not None else None
+      for n in range(next_n):
+        s = jnp.dot(qs[n], k.T, precision=precision, preferred_element_type=jnp.float32)  # [H, P]
+        logit = jnp.sum(jnp.maximum(s, 0.0) * ws[n][:, None], axis=0)
+        if scale is not None:
+          logit = logit * scale
+        out_ref[b * next_n + n, pl.ds(col, p)] = jnp.where(col + entry < ctx[n], logit, -jnp.inf)
+
+    @pl.when(col >= max_ctx)
+    def _():
+      for n in range(next_n):
+        out_ref[b * next_n + n, pl.ds(col, p)] = jnp.full((p,), -jnp.inf, jnp.float32)
+
+    return carry
+
+  jax.lax.fori_loop(0, pages_per_program, body, 0)
+
+
+def _validate(q, pages, weights, context_lens, kernel_block_table, base_row, states_per_page, cache_dtype):
+  if q.ndim != 4:
+    raise ValueError(f"q must be [batch, next_n, heads, head_dim], got {list(q.shape)}.")
+  b, next_n, h, d = q.shape
+  if weights.shape != (b * next_n, h) or weights.dtype != jnp.float32:
+    raise ValueError(f"weights must be float32[{b * next_n}, {h}], got {weights.dtype}{list(weights.shape)}.")
+  if context_lens.shape != (b, next_n) or context_lens.dtype != jnp.int32:
+    raise ValueError(f"context_lens must be int32[{b}, {next_n}], got {context_lens.dtype}{list(context_lens.shape)}.")
+  if kernel_block_table.ndim != 2 or kernel_block_table.shape[0] != b or kernel_block_table.dtype != jnp.int32:
+    raise ValueError(f"kernel_block_table must be int32[{b}, max_pages], got "
+                     f"{kernel_block_table.dtype}{list(kernel_block_table.shape)}.")
+  if cache_dtype not in INDEXER_CACHE_DTYPES:
+    raise ValueError(f"cache_dtype must be one of {INDEXER_CACHE_DTYPES}, got {cache_dtype!r}.")
+  page = indexer_page_bytes(states_per_page, d, cache_dtype)
+  if pages.ndim != 2 or pages.dtype != jnp.uint8 or pages.shape[1] % page:
+    raise ValueError(f"pages must be uint8[num_rows, row_bytes] of whole {page}-byte pages ({states_per_page} "
+                     f"entries of {d} {cache_dtype} channels), got {pages.dtype}{list(pages.shape)}.")
+  if not 0 <= base_row < pages.shape[0] * pages.shape[1] // page:
+    raise ValueError(f"base_row {base_row} is outside the {pages.shape[0] * pages.shape[1] // page} kernel pages.")
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("base_row", "states_per_page", "cache_dtype", "pages_per_program", "implementation", "interpret"),
+)
+def paged_mqa_logits(
+    q: Float[Array, "B N H D"],
+    pages: UInt8[Array, "R Rb"],
+    weights: Float[Array, "BN H"],
+    context_lens: Int[Array, "B N"],
+    kernel_block_table: Int[Array, "B M"],
+    *,
+    base_row: int = 0,
+    states_per_page: int,
+    cache_dtype: str = "fp8",
+    pages_per_program: int = 4,
+    implementation: str = "pallas",
+    interpret: bool | None = None,
+) -> Float[Array, "BN E"]:
+  """Index scores of every visible pooled entry, ``float32[B * next_n, num_pages * P]``.
+
+  Args:
+    q: ``[batch, next_n, heads, head_dim]`` queries (fp8 e4m3, bf16 or f32; q scales folded into
+      ``weights``).
+    pages: uint8 ``[num_rows, row_bytes]``: the backing array (packed arena or dense layer array),
+      read as kernel pages of ``indexer_page_bytes(P, D, cache_dtype)`` bytes.
+    weights: float32 ``[batch * next_n, heads]`` per-head weights.
+    context_lens: int32 ``[batch, next_n]`` entries visible to each query row.
+    kernel_block_table: int32 ``[batch, max_pages]`` kernel page ids (``map_to_kernel_blocks``).
+    base_row: the layer's first kernel page in ``pages`` (``KernelPagedView.base_row``).
+    states_per_page: P, entries per kernel page (32 or 64).
+    cache_dtype: ``"fp8"``, ``"bfloat16"`` or ``"float32"``.
+    pages_per_program: kernel pages one program scores (tuning).
+  """
+  check_implementation(implementation)
+  _validate(q, pages, weights, context_lens, kernel_block_table, base_row, states_per_page, cache_dtype)
+  if implementation == "xla":
+    return paged_mqa_logits_reference(q, pages, weights, context_lens, kernel_block_table, base_row=base_row,
+                                      states_per_page=states_per_page, cache_dtype=cache_dtype)
+  b, next_n, h, d = q.shape
+  p = states_per_page
+  # Zero heads (zero weights) up to Triton's smallest dot tile: no effect on the sum.
+  hp = max(_MIN_DOT_ROWS, pl.next_power_of_2(h))
+  if hp != h:
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, hp - h), (0, 0)))
+    weights = jnp.pad(weights, ((0, 0), (0, hp - h)))
+  page_bytes = indexer_page_bytes(p, d, cache_dtype)
+  rows = pages.reshape(-1, page_bytes)
+  # Free typed views of the same bytes (no copy inside jit).
+  if cache_dtype == "fp8":
+    values = jax.lax.bitcast_convert_type(rows, FP8_DTYPE)
+    scales = jax.lax.bitcast_convert_type(rows.reshape(rows.shape[0], -1, 4), jnp.float32)
+  else:
+    width = jnp.dtype(cache_dtype).itemsize
+    values = jax.lax.bitcast_convert_type(rows.reshape(rows.shape[0], -1, width), jnp.dtype(cache_dtype))
+    scales = None
+  num_pages = kernel_block_table.shape[1]
+  ppp = min(pages_per_program, num_pages)
+  num_chunks = -(-num_pages // ppp)
+  if num_chunks * ppp != num_pages:  # whole chunks: pad the table with null pages (masked anyway)
+    kernel_block_table = jnp.pad(kernel_block_table, ((0, 0), (0, num_chunks * ppp - num_pages)))
+  kernel = functools.partial(_paged_mqa_logits_kernel, base_row=base_row, states_per_page=p, head_dim=d,
+                             next_n=next_n, pages_per_program=ppp)
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  operands = [q, weights, context_lens, kernel_block_table, values] + ([scales] if scales is not None else [])
+  if scales is None:
+    kernel = functools.partial(_no_scales, kernel)
+  out = pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((b * next_n, num_chunks * ppp * p), jnp.float32),
+      grid=(b, num_chunks),
+      in_specs=[any_spec] * len(operands),
+      out_specs=any_spec,
+      interpret=default_interpret(interpret),
+      name="paged_mqa_logits",
+  )(*operands)
+  return out[:, : num_pages * p]
+
+
+def _no_scales(kernel, q_ref, w_ref, ctx_ref, kt_ref, values_ref, out_ref):
+  kernel(q_ref, w_ref, ctx_ref, kt_ref, values_ref, None, out_ref)
+
+
+def paged_mqa_logits_reference(q, pages, weights, context_lens, kernel_block_table, *, base_row: int = 0,
+                               states_per_page: int, cache_dtype: str = "fp8"):
+  """Plain jnp: gather the pages, einsum, ReLU, head-weighted sum, scale, mask."""
+  b, next_n, h, d = q.shape
+  p = states_per_page
+  rows = pages.reshape(-1, indexer_page_bytes(p, d, cache_dtype))
+  m = kernel_block_table.shape[1]
+  vals, scales = read_indexer_entries(rows, base_row + kernel_block_table, states_per_page=p, head_dim=d,
+                                      cache_dtype=cache_dtype)  # [B, M, P, D], [B, M, P]
+  s = jnp.einsum("bnhd,bmpd->bnhmp", q.astype(jnp.float32), vals, precision=jax.lax.Precision.HIGHEST,
+                 preferred_element_type=jnp.float32)
+  w = weights.reshape(b, next_n, h)
+  logits = jnp.einsum("bnhmp,bnh->bnmp", jnp.maximum(s, 0.0), w) * scales[:, None]
+  logits = logits.reshape(b * next_n, m * p)
+  visible = jnp.arange(m * p)[None, :] < context_lens.reshape(-1, 1)
+  return jnp.where(visible, logits, -jnp.inf)
