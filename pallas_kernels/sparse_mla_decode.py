@@ -1,0 +1,216 @@
+"""Sparse MLA decode: attention over the latent cache rows of selected tokens (absorbed form).
+
+For query token ``t`` (of request ``req_indices[t]``) and each selected token index ``i`` of
+``token_indices[t]`` (-1: none), the latent row ``c_i`` (``L`` = ``kv_lora_rank`` wide) is both
+key and value:
+
+    out[t, h] = sum_i softmax_i(sm_scale * q[t, h] . c_i) * c_i
+
+Token ``i`` of request ``r`` is manager slot ``table[r, i // bs] * bs + i % bs`` of the latent
+layer, at the same bytes ``write_to_paged_cache`` wrote it: row ``slot // tokens_per_row``, byte
+``page_offset + (slot % tokens_per_row) * entry_bytes`` of the backing array (dense layer array or
+packed arena), read in place through free typed bitcasts. Latent entries are bf16/f32 values or
+fp8 e4m3 with one fp32 scale per 128 values. Several queries per request (speculative
+verification) are several rows ``t`` with their own indices.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float, Int, UInt8
+
+from pallas_kernels._common import FP8_DTYPE, check_implementation, default_interpret
+from pallas_kernels.cache_write import decode_entries, entry_bytes
+
+__all__ = ["sparse_mla_decode", "sparse_mla_decode_reference"]
+
+_MIN_DOT_ROWS = 16
+_FP8_GROUP = 128
+
+
+def _token_rows(table_ref_or_arr, req, tok, *, block_size, tokens_per_row, entry_bytes_, page_offset_bytes):
+  """Row and byte column of each token's latent entry."""
+  width = table_ref_or_arr.shape[1]
+  col = jnp.minimum(tok // block_size, width - 1)
+  slot = table_ref_or_arr[req, col] * block_size + tok % block_size
+  return slot // tokens_per_row, page_offset_bytes + (slot % tokens_per_row) * entry_bytes_
+
+
+def _sparse_mla_kernel(q_ref, idx_ref, req_ref, table_ref, values_ref, scales_ref, out_ref, *, block_size,
+                       tokens_per_row, page_offset_bytes, entry_bytes_, latent_dim, block_k, sm_scale, cache_dtype):
+  # q_ref: [T, Hp, L]; idx_ref: [T, K]; req_ref: [T]; table_ref: [R, W]; values_ref: [rows, row_elems];
+  # scales_ref: [rows, row_words] f32 (fp8) or None; out_ref: [T, Hp, L].
+  t = pl.program_id(0)
+  hb = pl.program_id(1)
+  bh = out_ref.shape[1] // pl.num_programs(1)
+  l = latent_dim
+  dot_dtype = jnp.float32 if cache_dtype == "float32" else jnp.bfloat16
+  precision = jax.lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
+  q = q_ref[t, pl.ds(hb * bh, bh), :].astype(dot_dtype)  # [BH, L]
+  req = req_ref[t]
+  num_k = idx_ref.shape[1]
+  elem = 1 if cache_dtype == "fp8" else jnp.dtype(cache_dtype).itemsize
+
+  def body(i, carry):
+    m, s_sum, acc = carry
+    idx = idx_ref[t, pl.ds(i * block_k, block_k)]  # [BK]
+    valid = (idx >= 0) & (req >= 0)
+    row, col = _token_rows(table_ref, jnp.maximum(req, 0), jnp.maximum(idx, 0), block_size=block_size,
+                           tokens_per_row=tokens_per_row, entry_bytes_=entry_bytes_,
+                           page_offset_bytes=page_offset_bytes)
+    c = values_ref[row[:, None], (col // elem)[:, None] + jnp.arange(l)[None, :]].astype(jnp.float32)  # [BK, L]
+    if scales_ref is not None:
+      groups = l // _FP8_GROUP
+      sc = scales_ref[row[:, None], ((col + l) // 4)[:, None] + jnp.arange(groups)[None, :]]  # [BK, G]
+      c = (c.reshape(block_k, groups, _FP8_GROUP) * sc[:, :, None]).reshape(block_k, l)
+    c = c.astype(dot_dtype)
+    s = jnp.dot(q, c.T, precision=precision, preferred_element_type=jnp.float32) * sm_scale  # [BH, BK]
+    s = jnp.where(valid[None, :], s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    # Rows that have seen no valid token keep m = -inf: use 0 there so exp() stays finite.
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp(m - m_safe)
+    p = jnp.exp(s - m_safe[:, None])
+    s_sum = s_sum * alpha + jnp.sum(p, axis=1)
+    acc = acc * alpha[:, None] + jnp.dot(p.astype(dot_dtype), c, precision=precision,
+                                         preferred_element_type=jnp.float32)
+    return m_new, s_sum, acc
+
+  init = (jnp.full((bh,), -jnp.inf, jnp.float32), jnp.zeros((bh,), jnp.float32), jnp.zeros((bh, l), jnp.float32))
+  _, s_sum, acc = jax.lax.fori_loop(0, num_k // block_k, body, init)
+  out_ref[t, pl.ds(hb * bh, bh), :] = acc / jnp.where(s_sum == 0, 1.0, s_sum)[:, None]
+
+
+def _validate(q, cache, token_indices, req_indices, block_table, *, block_size, tokens_per_row, page_offset_bytes,
+              cache_dtype):
+  if q.ndim != 3:
+    raise ValueError(f"q must be [num_tokens, heads, latent_dim], got {list(q.shape)}.")
+  t, _, l = q.shape
+  if token_indices.ndim != 2 or token_indices.shape[0] != t or token_indices.dtype != jnp.int32:
+    raise ValueError(f"token_indices must be int32[{t}, K], got {token_indices.dtype}{list(token_indices.shape)}.")
+  if req_indices.shape != (t,) or req_indices.dtype != jnp.int32:
+    raise ValueError(f"req_indices must be int32[{t}], got {req_indices.dtype}{list(req_indices.shape)}.")
+  if block_table.ndim != 2 or block_table.dtype != jnp.int32:
+    raise ValueError(f"block_table must be int32[rows, width], got {block_table.dtype}{list(block_table.shape)}.")
+  if cache_dtype not in ("bfloat16", "float32", "fp8"):
+    raise ValueError(f"cache_dtype must be bfloat16, float32 or fp8, got {cache_dtype!r}.")
+  if cache_dtype == "fp8" and l % _FP8_GROUP:
+    raise ValueError(f"fp8 latent caches need a latent dim that is a multiple of {_FP8_GROUP}, got {l}.")
+  e = entry_bytes(l, cache_dtype)
+  align = 4 if cache_dtype == "fp8" else jnp.dtype(cache_dtype).itemsize
+  if cache.ndim != 2 or cache.dtype != jnp.uint8 or cache.shape[1] % align or page_offset_bytes % align:
+    raise ValueError(f"cache must be uint8[num_rows, row_bytes] with rows and page offset ({page_offset_bytes}) "
+                     f"multiples of {align} bytes, got {cache.dtype}{list(cache.shape)}.")
+  if page_offset_bytes + tokens_per_row * e > cache.shape[1] or block_size % tokens_per_row:
+    raise ValueError(f"{tokens_per_row} latent entries of {e} bytes at offset {page_offset_bytes} do not fit rows of "
+                     f"{cache.shape[1]} bytes, or do not divide the block size {block_size}.")
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("block_size", "tokens_per_row", "page_offset_bytes", "cache_dtype", "sm_scale", "block_k",
+                     "block_h", "implementation", "interpret"),
+)
+def sparse_mla_decode(
+    q: Float[Array, "T H L"],
+    cache: UInt8[Array, "N R"],
+    token_indices: Int[Array, "T K"],
+    req_indices: Int[Array, "T"],
+    block_table: Int[Array, "Rq W"],
+    *,
+    block_size: int,
+    tokens_per_row: int | None = None,
+    page_offset_bytes: int = 0,
+    cache_dtype: str = "bfloat16",
+    sm_scale: float,
+    block_k: int = 32,
+    block_h: int = 16,
+    implementation: str = "pallas",
+    interpret: bool | None = None,
+) -> Float[Array, "T H L"]:
+  """Absorbed-MLA attention of each query token over its selected latent rows (float32 out).
+
+  Args:
+    q: ``[num_tokens, heads, L]`` absorbed queries (``q_nope @ W_UK``).
+    cache: uint8 ``[num_rows, row_bytes]`` backing array of the latent layer.
+    token_indices: int32 ``[num_tokens, K]`` selected token positions, -1 for none.
+    req_indices: int32 ``[num_tokens]`` block-table row of each query, -1 for padding queries.
+    block_table: int32 ``[rows, width]`` the latent group's manager block table.
+    block_size: manager block size; ``tokens_per_row``: entries per array row (block size, or the
+      kernel block size for a dense split); ``page_offset_bytes``: the layer's page offset.
+    cache_dtype: ``"bfloat16"``, ``"float32"`` or ``"fp8"``.
+    sm_scale: softmax scale.
+    block_k, block_h: selected tokens and heads per tile (tuning).
+  """
+  check_implementation(implementation)
+  tokens_per_row = tokens_per_row or block_size
+  _validate(q, cache, token_indices, req_indices, block_table, block_size=block_size, tokens_per_row=tokens_per_row,
+            page_offset_bytes=page_offset_bytes, cache_dtype=cache_dtype)
+  kw = dict(block_size=block_size, tokens_per_row=tokens_per_row, page_offset_bytes=page_offset_bytes,
+            cache_dtype=cache_dtype, sm_scale=sm_scale)
+  if implementation == "xla":
+    return sparse_mla_decode_reference(q, cache, token_indices, req_indices, block_table, **kw)
+  t, h, l = q.shape
+  hp = max(_MIN_DOT_ROWS, pl.next_power_of_2(h))
+  bh = min(block_h, hp)
+  if hp != h:
+    q = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
+  k = token_indices.shape[1]
+  kp = -(-k // block_k) * block_k
+  if kp != k:
+    token_indices = jnp.pad(token_indices, ((0, 0), (0, kp - k)), constant_values=-1)
+  rows = cache.shape[0]
+  if cache_dtype == "fp8":
+    values = jax.lax.bitcast_convert_type(cache, FP8_DTYPE)
+    scales = jax.lax.bitcast_convert_type(cache.reshape(rows, -1, 4), jnp.float32)
+  else:
+    width = jnp.dtype(cache_dtype).itemsize
+    values = jax.lax.bitcast_convert_type(cache.reshape(rows, -1, width), jnp.dtype(cache_dtype))
+    scales = None
+  kernel = functools.partial(_sparse_mla_kernel, entry_bytes_=entry_bytes(l, cache_dtype), latent_dim=l,
+                             block_k=block_k, **kw)
+  operands = [q, token_indices, req_indices, block_table, values]
+  if scales is None:
+    kernel = functools.partial(_no_scales, kernel)
+  else:
+    operands.append(scales)
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  out = pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((t, hp, l), jnp.float32),
+      grid=(t, hp // bh),
+      in_specs=[any_spec] * len(operands),
+      out_specs=any_spec,
+      interpret=default_interpret(interpret),
+      name="sparse_mla_decode",
+  )(*operands)
+  return out[:, :h]
+
+
+def _no_scales(kernel, q_ref, idx_ref, req_ref, table_ref, values_ref, out_ref):
+  kernel(q_ref, idx_ref, req_ref, table_ref, values_ref, None, out_ref)
+
+
+def sparse_mla_decode_reference(q, cache, token_indices, req_indices, block_table, *, block_size: int,
+                                tokens_per_row: int | None = None, page_offset_bytes: int = 0,
+                                cache_dtype: str = "bfloat16", sm_scale: float):
+  """Plain jnp: gather the selected latent rows, masked softmax, weighted sum (float32)."""
+  tokens_per_row = tokens_per_row or block_size
+  t, h, l = q.shape
+  e = entry_bytes(l, cache_dtype)
+  valid = (token_indices >= 0) & (req_indices[:, None] >= 0)
+  row, col = _token_rows(block_table, jnp.maximum(req_indices, 0)[:, None], jnp.maximum(token_indices, 0),
+                         block_size=block_size, tokens_per_row=tokens_per_row, entry_bytes_=e,
+                         page_offset_bytes=page_offset_bytes)
+  raw = cache[row[..., None], col[..., None] + jnp.arange(e)]  # [T, K, E]
+  c = decode_entries(raw.reshape(-1, e), cache_dtype, l).astype(jnp.float32).reshape(t, -1, l)
+  s = jnp.einsum("thl,tkl->thk", q.astype(jnp.float32), c, precision=jax.lax.Precision.HIGHEST) * sm_scale
+  s = jnp.where(valid[:, None, :], s, -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m))
+  denom = jnp.sum(p, axis=-1, keepdims=True)
+  return jnp.einsum("thk,tkl->thl", p, c, precision=jax.lax.Precision.HIGHEST) / jnp.where(denom == 0, 1.0, denom)
