@@ -1,0 +1,288 @@
+"""Kernel benchmark: Pallas vs the XLA reference vs the measured HBM bandwidth, in one run.
+
+    python benchmarks/kernels.py --out results/          # on the GPU: table, JSON
+    python benchmarks/kernels.py --plot results/kernels.json   # anywhere: the plot
+
+Each case times ``--iters`` back-to-back calls inside one jitted ``fori_loop`` (no host dispatch
+between them; each call depends on the previous one so XLA cannot hoist it), after a warm-up call,
+and reports the median over ``--repeats`` such loops. Bytes are the fewest a kernel must move
+(inputs read once, outputs written once); "of BW" divides bytes/time by the bandwidth of a large
+bf16 elementwise pass measured in the same run. Inputs are random (never zeros); block tables are
+random permutations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import statistics
+import sys
+import time
+import traceback
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+KPOOL, D_IDX, H_IDX, P = 4, 128, 32, 64
+H_MLA, L_MLA, TOPK = 64, 512, 2048
+
+
+def _timeit(step, state, iters, repeats):
+  """Median seconds per call of ``state = step(state)`` over ``iters`` calls in one jitted loop."""
+  import jax
+
+  @jax.jit
+  def loop(s):
+    return jax.lax.fori_loop(0, iters, lambda i, c: step(c), s)
+
+  jax.block_until_ready(loop(state))  # compile + warm up
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(loop(state))
+    times.append((time.perf_counter() - t0) / iters)
+  return statistics.median(times)
+
+
+def _dep(x):
+  """A zero that XLA cannot fold, derived from ``x`` (chains the loop's calls)."""
+  import jax.numpy as jnp
+
+  v = x.reshape(-1)[0].astype(jnp.float32)
+  return jnp.where(jnp.isnan(v), 1.0, 0.0)
+
+
+def measure_bandwidth(iters, repeats):
+  import jax
+  import jax.numpy as jnp
+
+  x = jax.random.normal(jax.random.key(0), (1 << 30,), jnp.bfloat16)  # 2 GiB
+  t = _timeit(lambda a: a * jnp.bfloat16(1.0001), x, iters, repeats)
+  return 2 * x.nbytes / t
+
+
+def bench_mqa_logits(batch, ctx, impl, iters, repeats):
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels._common import quantize_fp8_pow2, value_bytes
+  from pallas_kernels.paged_mqa_logits import paged_mqa_logits
+
+  entries = ctx // KPOOL
+  pages_per_req = entries // P
+  num_pages = batch * pages_per_req + 1
+  k = jax.random.normal(jax.random.key(1), (num_pages, P, D_IDX), jnp.float32)
+  q8, sc = quantize_fp8_pow2(k)
+  pages = jnp.concatenate([value_bytes(q8).reshape(num_pages, -1), value_bytes(sc).reshape(num_pages, -1)], 1)
+  table = jnp.asarray(np.random.default_rng(0).permutation(np.arange(1, num_pages)).reshape(batch, pages_per_req)
+                      .astype(np.int32))
+  q = jax.random.normal(jax.random.key(2), (batch, 1, H_IDX, D_IDX), jnp.float32).astype(jnp.float8_e4m3fn)
+  w = jax.random.normal(jax.random.key(3), (batch, H_IDX), jnp.float32)
+  ctx_lens = jnp.full((batch, 1), entries, jnp.int32)
+
+  def step(w_):
+    out = paged_mqa_logits(q, pages, w_, ctx_lens, table, states_per_page=P, cache_dtype="fp8", implementation=impl)
+    return w_ + _dep(out)
+
+  t = _timeit(step, w, iters, repeats)
+  nbytes = batch * entries * (D_IDX + 4) + batch * entries * 4 + q.nbytes + w.nbytes
+  return t, nbytes
+
+
+def bench_sparse_mla(batch, ctx, impl, iters, repeats):
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels.sparse_mla_decode import sparse_mla_decode
+
+  bs = 1024
+  blocks = batch * (ctx // bs) + 1
+  cache = jax.lax.bitcast_convert_type(
+      jax.random.normal(jax.random.key(4), (blocks, bs * L_MLA), jnp.bfloat16), jnp.uint8).reshape(blocks, -1)
+  rng = np.random.default_rng(1)
+  table = jnp.asarray(rng.permutation(np.arange(1, blocks)).reshape(batch, ctx // bs).astype(np.int32))
+  k = TOPK + KPOOL - 1
+  idx = np.stack([rng.choice(ctx, size=min(k, ctx), replace=False) for _ in range(batch)]).astype(np.int32)
+  idx = jnp.asarray(np.pad(idx, ((0, 0), (0, k - idx.shape[1])), constant_values=-1))
+  q = jax.random.normal(jax.random.key(5), (batch, H_MLA, L_MLA), jnp.bfloat16)
+  reqs = jnp.arange(batch, dtype=jnp.int32)
+
+  def step(q_):
+    out = sparse_mla_decode(q_, cache, idx, reqs, table, block_size=bs, cache_dtype="bfloat16",
+                            sm_scale=L_MLA ** -0.5, implementation=impl)
+    return q_ + _dep(out).astype(q_.dtype)
+
+  t = _timeit(step, q, iters, repeats)
+  nbytes = batch * min(k, ctx) * L_MLA * 2 + q.nbytes + batch * H_MLA * L_MLA * 4
+  return t, nbytes
+
+
+def bench_cache_write(tokens, impl, iters, repeats):
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels.cache_write import write_to_paged_cache
+
+  bs, e = 1024, L_MLA * 2  # bf16 latents into rows of the GLM-5.3-Flash packed block geometry
+  row_bytes, offset, blocks = 11_911_680, 371_712, 400
+  cache = jax.random.bits(jax.random.key(6), (blocks, row_bytes), jnp.uint8)
+  slots = jnp.asarray(np.random.default_rng(2).choice(np.arange(bs, blocks * bs), tokens, replace=False)
+                      .astype(np.int32))
+  entries = jax.random.bits(jax.random.key(7), (tokens, e), jnp.uint8)
+
+  def step(c):
+    return write_to_paged_cache(c, entries, slots, tokens_per_row=bs, page_offset_bytes=offset, implementation=impl)
+
+  t = _timeit(step, cache, iters, repeats)
+  return t, 2 * tokens * e
+
+
+def bench_kpool(tokens, impl, iters, repeats):
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels.kpool import kpool_compress_and_write
+
+  ring, blocks, pages_per_block = 4, 512, 8
+  page_bytes = P * (D_IDX + 4)
+  reqs_n = max(1, tokens // 256)
+  per = tokens // reqs_n
+  cache = jax.random.bits(jax.random.key(8), (blocks * pages_per_block, page_bytes), jnp.uint8)
+  tail = jax.random.bits(jax.random.key(9), (blocks, 2 * ring * D_IDX * 2), jnp.uint8)
+  keys = jax.random.normal(jax.random.key(10), (tokens, D_IDX), jnp.bfloat16)
+  gates = jax.random.normal(jax.random.key(11), (tokens, D_IDX), jnp.bfloat16)
+  ape = jax.random.normal(jax.random.key(12), (KPOOL, D_IDX), jnp.float32)
+  rng = np.random.default_rng(3)
+  req = np.repeat(np.arange(reqs_n), per).astype(np.int32)
+  pos = np.tile(np.arange(per), reqs_n).astype(np.int32)
+  blk = rng.permutation(np.arange(1, blocks))[:reqs_n]
+  tail_slots = (blk[req] * ring + pos % ring).astype(np.int32)
+  pool = pos // KPOOL
+  page = rng.permutation(np.arange(1, blocks * pages_per_block))[: reqs_n * (-(-per // (KPOOL * P)))]
+  page = page.reshape(reqs_n, -1)
+  cslots = np.where((pos + 1) % KPOOL == 0, page[req, pool // P] * P + pool % P, -1).astype(np.int32)
+  args = [jnp.asarray(a) for a in (pos, req, tail_slots, cslots)]
+
+  def step(state):
+    c, tl = state
+    return kpool_compress_and_write(c, tl, keys, gates, ape, *args, kpool=KPOOL, ring=ring, base_row=0,
+                                    states_per_page=P, cache_dtype="fp8", implementation=impl)
+
+  t = _timeit(step, (cache, tail), iters, repeats)
+  return t, tokens * D_IDX * 2 * 2 + tokens // KPOOL * (D_IDX + 4) + 2 * reqs_n * ring * D_IDX * 2
+
+
+def run(args):
+  import jax
+
+  rows = []
+  bw = measure_bandwidth(args.iters, args.repeats)
+  dev = jax.devices()[0]
+  print(f"device {dev.device_kind}, jax {jax.__version__}, measured bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+  decode_batches = [1, 8, 32, 64, 128]
+  cases = []
+  for b in decode_batches:
+    cases.append(("paged_mqa_logits", dict(batch=b, ctx=32768)))
+  for c in (4096, 131072):
+    cases.append(("paged_mqa_logits", dict(batch=64, ctx=c)))
+  for b in decode_batches:
+    cases.append(("sparse_mla_decode", dict(batch=b, ctx=32768)))
+  for c in (4096, 131072):
+    cases.append(("sparse_mla_decode", dict(batch=64, ctx=c)))
+  for t in (8, 128, 1024, 8192):
+    cases.append(("cache_write", dict(tokens=t)))
+  for t in (128, 1024, 8192):
+    cases.append(("kpool_compress", dict(tokens=t)))
+  if args.quick:
+    cases = [c for c in cases if c[1].get("batch", 64) == 64 and c[1].get("ctx", 32768) == 32768
+             and c[1].get("tokens", 1024) == 1024]
+  fns = {"paged_mqa_logits": bench_mqa_logits, "sparse_mla_decode": bench_sparse_mla,
+         "cache_write": bench_cache_write, "kpool_compress": bench_kpool}
+  for name, kw in cases:
+    row = {"kernel": name, **kw}
+    for impl in ("pallas", "xla"):
+      try:
+        t, nbytes = fns[name](**kw, impl=impl, iters=args.iters, repeats=args.repeats)
+        row[f"{impl}_us"] = t * 1e6
+        row["bytes"] = nbytes
+        row[f"{impl}_frac_bw"] = nbytes / t / bw
+      except Exception as e:  # keep measuring the other cases; the error goes in the table
+        row[f"{impl}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        traceback.print_exc()
+    if "pallas_us" in row and "xla_us" in row:
+      row["speedup_vs_xla"] = row["xla_us"] / row["pallas_us"]
+    rows.append(row)
+    print(_fmt(row), flush=True)
+  result = {"device": dev.device_kind, "jax": jax.__version__, "bandwidth_Bps": bw, "rows": rows}
+  if args.out:
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kernels.json").write_text(json.dumps(result, indent=1))
+  print("\n" + table(result))
+
+
+def _fmt(r):
+  size = " ".join(f"{k}={r[k]}" for k in ("batch", "ctx", "tokens") if k in r)
+  p = f"{r['pallas_us']:9.1f} us {100 * r['pallas_frac_bw']:5.1f}%" if "pallas_us" in r else "   failed"
+  x = f"{r['xla_us']:9.1f} us {100 * r['xla_frac_bw']:5.1f}%" if "xla_us" in r else "   failed"
+  s = f"{r['speedup_vs_xla']:6.2f}x" if "speedup_vs_xla" in r else "     -"
+  return f"{r['kernel']:<18} {size:<22} pallas {p}  xla {x}  {s}"
+
+
+def table(result):
+  bw = result["bandwidth_Bps"]
+  lines = [f"{result['device']}, jax {result['jax']}, measured bandwidth {bw / 1e12:.2f} TB/s",
+           "| kernel | size | MB moved | Pallas us | Pallas % BW | XLA us | XLA % BW | Pallas vs XLA |",
+           "|---|---|---|---|---|---|---|---|"]
+  for r in result["rows"]:
+    size = ", ".join(f"{k} {r[k]}" for k in ("batch", "ctx", "tokens") if k in r)
+    cell = lambda k, f: (f % r[k]) if k in r else "error"
+    lines.append(f"| {r['kernel']} | {size} | {r.get('bytes', 0) / 1e6:.2f} | {cell('pallas_us', '%.1f')} | "
+                 f"{cell('pallas_frac_bw', '%.2f')} | {cell('xla_us', '%.1f')} | {cell('xla_frac_bw', '%.2f')} | "
+                 f"{cell('speedup_vs_xla', '%.2fx')} |")
+  return "\n".join(lines)
+
+
+def plot(path):
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  result = json.loads(pathlib.Path(path).read_text())
+  kernels = sorted({r["kernel"] for r in result["rows"]})
+  fig, axes = plt.subplots(1, len(kernels), figsize=(4.5 * len(kernels), 3.8), squeeze=False)
+  for ax, k in zip(axes[0], kernels):
+    rows = [r for r in result["rows"] if r["kernel"] == k]
+    labels = [",".join(str(r[x]) for x in ("batch", "ctx", "tokens") if x in r) for r in rows]
+    xs = np.arange(len(rows))
+    for off, impl in ((-0.2, "pallas"), (0.2, "xla")):
+      ax.bar(xs + off, [100 * r.get(f"{impl}_frac_bw", 0) for r in rows], 0.4, label=impl)
+    ax.set_xticks(xs, labels, rotation=45, ha="right", fontsize=7)
+    ax.set_title(k)
+    ax.set_ylabel("% of measured HBM bandwidth")
+    ax.set_ylim(0, 100)
+  axes[0][0].legend()
+  fig.suptitle(f"{result['device']}: {result['bandwidth_Bps'] / 1e12:.2f} TB/s measured")
+  fig.tight_layout()
+  out = pathlib.Path(path).with_suffix(".png")
+  fig.savefig(out, dpi=120)
+  print(out)
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--out", help="directory for kernels.json")
+  p.add_argument("--iters", type=int, default=50)
+  p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--quick", action="store_true", help="one size per kernel")
+  p.add_argument("--plot", metavar="JSON", help="plot a results file and exit")
+  args = p.parse_args()
+  if args.plot:
+    plot(args.plot)
+  else:
+    run(args)
+
+
+if __name__ == "__main__":
+  main()
