@@ -18,6 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int, UInt8
 
 from pallas_kernels._common import FP8_DTYPE, check_implementation, default_interpret
@@ -31,8 +32,8 @@ _MIN_DOT_ROWS = 16  # Triton's smallest dot tile
 def _paged_mqa_logits_kernel(q_ref, w_ref, ctx_ref, kt_ref, values_ref, scales_ref, out_ref, *,
                              base_row, states_per_page, head_dim, next_n, pages_per_program):
   # q_ref: [B, next_n, H, D]; w_ref: [B * next_n, H]; ctx_ref: [B, next_n]; kt_ref: [B, num_pages];
-  # values_ref: [rows, page_elems] pages as values; scales_ref: [rows, page_words] f32 or None;
-  # out_ref: [B * next_n, num_pages * P].
+  # values_ref: [rows, page_bytes // D, D] pages as values (the first P of dim 1 are entries);
+  # scales_ref: [rows, page_bytes // 4] f32 or None; out_ref: [B * next_n, num_pages * P].
   b = pl.program_id(0)
   chunk = pl.program_id(1)
   p, d = states_per_page, head_dim
@@ -54,7 +55,7 @@ def _paged_mqa_logits_kernel(q_ref, w_ref, ctx_ref, kt_ref, values_ref, scales_r
     @pl.when(col < max_ctx)
     def _():
       row = base_row + kt_ref[b, page]
-      k = values_ref[row, pl.ds(0, p * d)].reshape(p, d).astype(dot_dtype)
+      k = values_ref[row, pl.ds(0, p), :].astype(dot_dtype)  # [P, D]
       scale = scales_ref[row, pl.ds(p * d // 4, p)] if scales_ref is not None else None
       for n in range(next_n):
         s = jnp.dot(qs[n], k.T, precision=precision, preferred_element_type=jnp.float32)  # [H, P]
@@ -96,7 +97,8 @@ def _validate(q, pages, weights, context_lens, kernel_block_table, base_row, sta
 
 @functools.partial(
     jax.jit,
-    static_argnames=("base_row", "states_per_page", "cache_dtype", "pages_per_program", "implementation", "interpret"),
+    static_argnames=("base_row", "states_per_page", "cache_dtype", "pages_per_program", "num_warps", "num_stages",
+                     "implementation", "interpret"),
 )
 def paged_mqa_logits(
     q: Float[Array, "B N H D"],
@@ -109,6 +111,8 @@ def paged_mqa_logits(
     states_per_page: int,
     cache_dtype: str = "fp8",
     pages_per_program: int = 4,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     implementation: str = "pallas",
     interpret: bool | None = None,
 ) -> Float[Array, "BN E"]:
@@ -125,7 +129,7 @@ def paged_mqa_logits(
     base_row: the layer's first kernel page in ``pages`` (``KernelPagedView.base_row``).
     states_per_page: P, entries per kernel page (32 or 64).
     cache_dtype: ``"fp8"``, ``"bfloat16"`` or ``"float32"``.
-    pages_per_program: kernel pages one program scores (tuning).
+    pages_per_program, num_warps, num_stages: tuning (``benchmarks/kernels.py`` sweeps them).
   """
   check_implementation(implementation)
   _validate(q, pages, weights, context_lens, kernel_block_table, base_row, states_per_page, cache_dtype)
@@ -141,13 +145,14 @@ def paged_mqa_logits(
     weights = jnp.pad(weights, ((0, 0), (0, hp - h)))
   page_bytes = indexer_page_bytes(p, d, cache_dtype)
   rows = pages.reshape(-1, page_bytes)
-  # Free typed views of the same bytes (no copy inside jit).
+  # Free typed views of the same bytes (no copy inside jit): values as [rows, page_bytes / D, D], so
+  # a page's P entries are one 2-D block; fp8 scales as float32 words.
   if cache_dtype == "fp8":
-    values = jax.lax.bitcast_convert_type(rows, FP8_DTYPE)
+    values = jax.lax.bitcast_convert_type(rows, FP8_DTYPE).reshape(rows.shape[0], -1, d)
     scales = jax.lax.bitcast_convert_type(rows.reshape(rows.shape[0], -1, 4), jnp.float32)
   else:
     width = jnp.dtype(cache_dtype).itemsize
-    values = jax.lax.bitcast_convert_type(rows.reshape(rows.shape[0], -1, width), jnp.dtype(cache_dtype))
+    values = jax.lax.bitcast_convert_type(rows.reshape(rows.shape[0], -1, d, width), jnp.dtype(cache_dtype))
     scales = None
   num_pages = kernel_block_table.shape[1]
   ppp = min(pages_per_program, num_pages)
@@ -167,6 +172,7 @@ def paged_mqa_logits(
       in_specs=[any_spec] * len(operands),
       out_specs=any_spec,
       interpret=default_interpret(interpret),
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       name="paged_mqa_logits",
   )(*operands)
   return out[:, : num_pages * p]

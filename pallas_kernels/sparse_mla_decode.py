@@ -21,6 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int, UInt8
 
 from pallas_kernels._common import FP8_DTYPE, check_implementation, default_interpret
@@ -113,7 +114,7 @@ def _validate(q, cache, token_indices, req_indices, block_table, *, block_size, 
 @functools.partial(
     jax.jit,
     static_argnames=("block_size", "tokens_per_row", "page_offset_bytes", "cache_dtype", "sm_scale", "block_k",
-                     "block_h", "implementation", "interpret"),
+                     "block_h", "num_warps", "num_stages", "implementation", "interpret"),
 )
 def sparse_mla_decode(
     q: Float[Array, "T H L"],
@@ -129,6 +130,8 @@ def sparse_mla_decode(
     sm_scale: float,
     block_k: int = 32,
     block_h: int = 16,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     implementation: str = "pallas",
     interpret: bool | None = None,
 ) -> Float[Array, "T H L"]:
@@ -144,7 +147,8 @@ def sparse_mla_decode(
       kernel block size for a dense split); ``page_offset_bytes``: the layer's page offset.
     cache_dtype: ``"bfloat16"``, ``"float32"`` or ``"fp8"``.
     sm_scale: softmax scale.
-    block_k, block_h: selected tokens and heads per tile (tuning).
+    block_k, block_h, num_warps, num_stages: tiles of selected tokens and heads, and Triton's
+      launch knobs (tuning; ``benchmarks/kernels.py`` sweeps them).
   """
   check_implementation(implementation)
   tokens_per_row = tokens_per_row or block_size
@@ -186,6 +190,7 @@ def sparse_mla_decode(
       in_specs=[any_spec] * len(operands),
       out_specs=any_spec,
       interpret=default_interpret(interpret),
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       name="sparse_mla_decode",
   )(*operands)
   return out[:, :h]
