@@ -33,42 +33,42 @@ _MIN_DOT_ROWS = 16
 _FP8_GROUP = 128
 
 
-def _token_rows(table_ref_or_arr, req, tok, *, block_size, tokens_per_row, entry_bytes_, page_offset_bytes):
+def _token_rows(block_table, req, tok, *, block_size, tokens_per_row, entry_bytes_, page_offset_bytes):
   """Row and byte column of each token's latent entry."""
-  width = table_ref_or_arr.shape[1]
+  width = block_table.shape[1]
   col = jnp.minimum(tok // block_size, width - 1)
-  slot = table_ref_or_arr[req, col] * block_size + tok % block_size
+  slot = block_table[req, col] * block_size + tok % block_size
   return slot // tokens_per_row, page_offset_bytes + (slot % tokens_per_row) * entry_bytes_
 
 
-def _sparse_mla_kernel(q_ref, idx_ref, req_ref, table_ref, values_ref, scales_ref, out_ref, *, block_size,
-                       tokens_per_row, page_offset_bytes, entry_bytes_, latent_dim, block_k, sm_scale, cache_dtype):
-  # q_ref: [T, Hp, L]; idx_ref: [T, K]; req_ref: [T]; table_ref: [R, W]; values_ref: [rows, row_elems];
-  # scales_ref: [rows, row_words] f32 (fp8) or None; out_ref: [T, Hp, L].
+def _sparse_mla_kernel(q_ref, rows_ref, cols_ref, values_ref, scales_ref, acc_ref, m_ref, l_ref, *, latent_dim,
+                       block_k, blocks_per_split, sm_scale, cache_dtype):
+  # q_ref: [T, Hp, L]; rows_ref / cols_ref: [T, Kp] latent row (-1: none) and element column;
+  # values_ref: [rows, row_elems]; scales_ref: [rows, row_words] f32 (fp8) or None;
+  # acc_ref: [T, S, Hp, L], m_ref / l_ref: [T, S, Hp] partial softmax state of split S.
   t = pl.program_id(0)
   hb = pl.program_id(1)
-  bh = out_ref.shape[1] // pl.num_programs(1)
+  split = pl.program_id(2)
+  bh = q_ref.shape[1] // pl.num_programs(1)
   l = latent_dim
   dot_dtype = jnp.float32 if cache_dtype == "float32" else jnp.bfloat16
   precision = jax.lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
   q = q_ref[t, pl.ds(hb * bh, bh), :].astype(dot_dtype)  # [BH, L]
-  req = req_ref[t]
-  num_k = idx_ref.shape[1]
-  elem = 1 if cache_dtype == "fp8" else jnp.dtype(cache_dtype).itemsize
 
   def body(i, carry):
     m, s_sum, acc = carry
-    idx = idx_ref[t, pl.ds(i * block_k, block_k)]  # [BK]
-    valid = (idx >= 0) & (req >= 0)
-    row, col = _token_rows(table_ref, jnp.maximum(req, 0), jnp.maximum(idx, 0), block_size=block_size,
-                           tokens_per_row=tokens_per_row, entry_bytes_=entry_bytes_,
-                           page_offset_bytes=page_offset_bytes)
-    c = values_ref[row[:, None], (col // elem)[:, None] + jnp.arange(l)[None, :]].astype(jnp.float32)  # [BK, L]
-    if scales_ref is not None:
+    start = (split * blocks_per_split + i) * block_k
+    row = rows_ref[t, pl.ds(start, block_k)]  # [BK]
+    col = cols_ref[t, pl.ds(start, block_k)]
+    valid = row >= 0
+    row = jnp.maximum(row, 0)
+    c = values_ref[row[:, None], col[:, None] + jnp.arange(l)[None, :]].astype(jnp.float32)  # [BK, L]
+    if scales_ref is not None:  # fp8: one fp32 scale per 128 values, right after the values
       groups = l // _FP8_GROUP
       sc = scales_ref[row[:, None], ((col + l) // 4)[:, None] + jnp.arange(groups)[None, :]]  # [BK, G]
       c = (c.reshape(block_k, groups, _FP8_GROUP) * sc[:, :, None]).reshape(block_k, l)
-    c = c.astype(dot_dtype)
+    # Masked rows read the null block, whose bytes may decode to NaN: 0 * NaN would poison p @ c.
+    c = jnp.where(valid[:, None], c, 0.0).astype(dot_dtype)
     s = jnp.dot(q, c.T, precision=precision, preferred_element_type=jnp.float32) * sm_scale  # [BH, BK]
     s = jnp.where(valid[None, :], s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -82,8 +82,18 @@ def _sparse_mla_kernel(q_ref, idx_ref, req_ref, table_ref, values_ref, scales_re
     return m_new, s_sum, acc
 
   init = (jnp.full((bh,), -jnp.inf, jnp.float32), jnp.zeros((bh,), jnp.float32), jnp.zeros((bh, l), jnp.float32))
-  _, s_sum, acc = jax.lax.fori_loop(0, num_k // block_k, body, init)
-  out_ref[t, pl.ds(hb * bh, bh), :] = acc / jnp.where(s_sum == 0, 1.0, s_sum)[:, None]
+  m, s_sum, acc = jax.lax.fori_loop(0, blocks_per_split, body, init)
+  acc_ref[t, split, pl.ds(hb * bh, bh), :] = acc
+  m_ref[t, split, pl.ds(hb * bh, bh)] = m
+  l_ref[t, split, pl.ds(hb * bh, bh)] = s_sum
+
+
+def _combine_splits(acc, m, s_sum):
+  """Merges the splits' softmax states: ``[T, S, H, L], [T, S, H], [T, S, H] -> [T, H, L]``."""
+  m_max = jnp.max(m, axis=1, keepdims=True)
+  w = jnp.exp(m - jnp.where(m_max == -jnp.inf, 0.0, m_max))  # exp(-inf) = 0 for empty splits
+  denom = jnp.sum(w * s_sum, axis=1)
+  return jnp.sum(w[..., None] * acc, axis=1) / jnp.where(denom == 0, 1.0, denom)[..., None]
 
 
 def _validate(q, cache, token_indices, req_indices, block_table, *, block_size, tokens_per_row, page_offset_bytes,
@@ -114,7 +124,7 @@ def _validate(q, cache, token_indices, req_indices, block_table, *, block_size, 
 @functools.partial(
     jax.jit,
     static_argnames=("block_size", "tokens_per_row", "page_offset_bytes", "cache_dtype", "sm_scale", "block_k",
-                     "block_h", "num_warps", "num_stages", "implementation", "interpret"),
+                     "block_h", "num_splits", "num_warps", "num_stages", "implementation", "interpret"),
 )
 def sparse_mla_decode(
     q: Float[Array, "T H L"],
@@ -129,8 +139,9 @@ def sparse_mla_decode(
     cache_dtype: str = "bfloat16",
     sm_scale: float,
     block_k: int = 32,
-    block_h: int = 16,
-    num_warps: int | None = None,
+    block_h: int = 32,
+    num_splits: int | None = None,
+    num_warps: int | None = 4,
     num_stages: int | None = None,
     implementation: str = "pallas",
     interpret: bool | None = None,
@@ -147,8 +158,9 @@ def sparse_mla_decode(
       kernel block size for a dense split); ``page_offset_bytes``: the layer's page offset.
     cache_dtype: ``"bfloat16"``, ``"float32"`` or ``"fp8"``.
     sm_scale: softmax scale.
-    block_k, block_h, num_warps, num_stages: tiles of selected tokens and heads, and Triton's
-      launch knobs (tuning; ``benchmarks/kernels.py`` sweeps them).
+    block_k, block_h, num_splits, num_warps, num_stages: tiles of selected tokens and heads, splits
+      of the selected tokens over programs (flash-decoding; None: enough to fill the GPU), and
+      Triton's launch knobs (tuning; ``benchmarks/kernels.py`` sweeps them).
   """
   check_implementation(implementation)
   tokens_per_row = tokens_per_row or block_size
@@ -163,41 +175,57 @@ def sparse_mla_decode(
   bh = min(block_h, hp)
   if hp != h:
     q = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
+  # Token -> (row, column) in XLA: a small [T, K] integer pass that takes the block-table lookup
+  # off the kernel's chain of dependent loads.
+  e = entry_bytes(l, cache_dtype)
+  valid = (token_indices >= 0) & (req_indices[:, None] >= 0)
+  rows, cols = _token_rows(block_table, jnp.maximum(req_indices, 0)[:, None], jnp.maximum(token_indices, 0),
+                           block_size=block_size, tokens_per_row=tokens_per_row, entry_bytes_=e,
+                           page_offset_bytes=page_offset_bytes)
+  rows = jnp.where(valid, rows, -1)
+  elem = 1 if cache_dtype == "fp8" else jnp.dtype(cache_dtype).itemsize
+  cols = cols // elem
   k = token_indices.shape[1]
-  kp = -(-k // block_k) * block_k
-  if kp != k:
-    token_indices = jnp.pad(token_indices, ((0, 0), (0, kp - k)), constant_values=-1)
-  rows = cache.shape[0]
+  num_blocks = -(-k // block_k)
+  if num_splits is None:
+    # Enough programs to fill the GPU (~2 per SM of an H100/H200) without many tiny splits.
+    num_splits = max(1, min(num_blocks, -(-264 // (t * (hp // bh)))))
+  blocks_per_split = -(-num_blocks // num_splits)
+  kp = num_splits * blocks_per_split * block_k
+  rows = jnp.pad(rows, ((0, 0), (0, kp - k)), constant_values=-1)
+  cols = jnp.pad(cols, ((0, 0), (0, kp - k)))
+  n = cache.shape[0]
   if cache_dtype == "fp8":
     values = jax.lax.bitcast_convert_type(cache, FP8_DTYPE)
-    scales = jax.lax.bitcast_convert_type(cache.reshape(rows, -1, 4), jnp.float32)
+    scales = jax.lax.bitcast_convert_type(cache.reshape(n, -1, 4), jnp.float32)
   else:
-    width = jnp.dtype(cache_dtype).itemsize
-    values = jax.lax.bitcast_convert_type(cache.reshape(rows, -1, width), jnp.dtype(cache_dtype))
+    values = jax.lax.bitcast_convert_type(cache.reshape(n, -1, elem), jnp.dtype(cache_dtype))
     scales = None
-  kernel = functools.partial(_sparse_mla_kernel, entry_bytes_=entry_bytes(l, cache_dtype), latent_dim=l,
-                             block_k=block_k, **kw)
-  operands = [q, token_indices, req_indices, block_table, values]
+  kernel = functools.partial(_sparse_mla_kernel, latent_dim=l, block_k=block_k, blocks_per_split=blocks_per_split,
+                             sm_scale=sm_scale, cache_dtype=cache_dtype)
+  operands = [q, rows, cols, values]
   if scales is None:
     kernel = functools.partial(_no_scales, kernel)
   else:
     operands.append(scales)
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
-  out = pl.pallas_call(
+  acc, m, s_sum = pl.pallas_call(
       kernel,
-      out_shape=jax.ShapeDtypeStruct((t, hp, l), jnp.float32),
-      grid=(t, hp // bh),
+      out_shape=(jax.ShapeDtypeStruct((t, num_splits, hp, l), jnp.float32),
+                 jax.ShapeDtypeStruct((t, num_splits, hp), jnp.float32),
+                 jax.ShapeDtypeStruct((t, num_splits, hp), jnp.float32)),
+      grid=(t, hp // bh, num_splits),
       in_specs=[any_spec] * len(operands),
-      out_specs=any_spec,
+      out_specs=(any_spec, any_spec, any_spec),
       interpret=default_interpret(interpret),
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       name="sparse_mla_decode",
   )(*operands)
-  return out[:, :h]
+  return _combine_splits(acc, m, s_sum)[:, :h]
 
 
-def _no_scales(kernel, q_ref, idx_ref, req_ref, table_ref, values_ref, out_ref):
-  kernel(q_ref, idx_ref, req_ref, table_ref, values_ref, None, out_ref)
+def _no_scales(kernel, q_ref, rows_ref, cols_ref, values_ref, acc_ref, m_ref, l_ref):
+  kernel(q_ref, rows_ref, cols_ref, values_ref, None, acc_ref, m_ref, l_ref)
 
 
 def sparse_mla_decode_reference(q, cache, token_indices, req_indices, block_table, *, block_size: int,
