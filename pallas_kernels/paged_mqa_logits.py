@@ -48,8 +48,7 @@ def _paged_mqa_logits_kernel(q_ref, w_ref, ctx_ref, kt_ref, values_ref, scales_r
     max_ctx = jnp.maximum(max_ctx, c)
   entry = jnp.arange(p, dtype=jnp.int32)
 
-  # Pages unrolled: their table entries and page loads are independent, so they are all in flight.
-  for i in range(pages_per_program):
+  def body(i, carry):
     page = chunk * pages_per_program + i
     col = page * p
 
@@ -69,6 +68,11 @@ def _paged_mqa_logits_kernel(q_ref, w_ref, ctx_ref, kt_ref, values_ref, scales_r
     def _():
       for n in range(next_n):
         out_ref[b * next_n + n, pl.ds(col, p)] = jnp.full((p,), -jnp.inf, jnp.float32)
+
+    return carry
+
+  # A loop, not unrolled code: measured faster on the H200 (fewer live registers per program).
+  jax.lax.fori_loop(0, pages_per_program, body, 0)
 
 
 def _validate(q, pages, weights, context_lens, kernel_block_table, base_row, states_per_page, cache_dtype):
