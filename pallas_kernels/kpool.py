@@ -24,6 +24,7 @@ step are stashed into the ring (keys in head slot 0, gates in head slot 1).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -99,20 +100,27 @@ def _kpool_kernel(slots_ref, keys_ref, gates_ref, ape_ref, cache_in_ref, cache_r
 def _pool_sources(tail, keys, gates, positions, req_indices, tail_slots, *, kpool, ring, tail_page_offset_bytes):
   """Keys and gates ``[T, kpool, D]`` of the pool ending at each token (batch first, then ring)."""
   t, d = keys.shape
-  itemsize = keys.dtype.itemsize
+  e = d * keys.dtype.itemsize
+  # Ring entries are gathered as whole rows of ``unit`` bytes (not byte by byte): the tail viewed
+  # as ``[-1, unit]`` rows, unit the largest size dividing the entry, the row and the page offset.
+  unit = math.gcd(e, tail.shape[1], tail_page_offset_bytes)
+  units = tail.reshape(-1, unit)
+  per_row, per_entry = tail.shape[1] // unit, e // unit
   block = jnp.maximum(tail_slots, 0) // ring
+  base = block * per_row + tail_page_offset_bytes // unit
+
+  def ring_entries(head, p):
+    first = base + (head * ring + p % ring) * per_entry
+    rows = units[first[:, None] + jnp.arange(per_entry)]  # [T, per_entry, unit]
+    return jax.lax.bitcast_convert_type(rows.reshape(t, d, -1), keys.dtype)
+
   srcs_k, srcs_g = [], []
   for j in range(kpool - 1, -1, -1):  # token pos - j
     p = positions - j
-    idx = jnp.arange(t) - j
-    in_batch = (idx >= 0) & (req_indices[jnp.maximum(idx, 0)] == req_indices) & (positions[jnp.maximum(idx, 0)] == p)
-    col = tail_page_offset_bytes + (p % ring)[:, None] * (d * itemsize) + jnp.arange(d * itemsize)
-    ring_k = jax.lax.bitcast_convert_type(tail[block[:, None], col].reshape(t, d, itemsize), keys.dtype)
-    ring_g = jax.lax.bitcast_convert_type(
-        tail[block[:, None], col + ring * d * itemsize].reshape(t, d, itemsize), keys.dtype)
-    b = jnp.maximum(idx, 0)
-    srcs_k.append(jnp.where(in_batch[:, None], keys[b], ring_k))
-    srcs_g.append(jnp.where(in_batch[:, None], gates[b], ring_g))
+    idx = jnp.maximum(jnp.arange(t) - j, 0)
+    in_batch = (jnp.arange(t) >= j) & (req_indices[idx] == req_indices) & (positions[idx] == p)
+    srcs_k.append(jnp.where(in_batch[:, None], keys[idx], ring_entries(0, p)))
+    srcs_g.append(jnp.where(in_batch[:, None], gates[idx], ring_entries(1, p)))
   return jnp.stack(srcs_k, axis=1), jnp.stack(srcs_g, axis=1)
 
 

@@ -112,8 +112,8 @@ def paged_mqa_logits(
     states_per_page: int,
     cache_dtype: str = "fp8",
     pages_per_program: int = 4,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
+    num_warps: int | None = 4,
+    num_stages: int | None = 3,
     implementation: str = "pallas",
     interpret: bool | None = None,
 ) -> Float[Array, "BN E"]:
