@@ -10,6 +10,10 @@ FP8_MAX = 448.0
 FP8_DTYPE = jnp.float8_e4m3fn
 # Smallest amax a scale is derived from: keeps an all-zero vector's scale finite.
 FP8_AMAX_FLOOR = 1e-4
+# Values sharing one fp32 scale in fp8 latent entries.
+FP8_GROUP = 128
+# Triton's smallest dot tile: head counts are zero-padded up to it.
+MIN_DOT_ROWS = 16
 
 
 def check_implementation(implementation: str) -> None:

@@ -22,6 +22,7 @@ from jaxtyping import Array, Int, UInt8
 
 from pallas_kernels._common import (
     FP8_DTYPE,
+    FP8_GROUP,
     check_implementation,
     default_interpret,
     f32_bytes,
@@ -37,12 +38,10 @@ __all__ = [
     "entry_bytes",
 ]
 
-_FP8_GROUP = 128
-
 
 def entry_bytes(dim: int, cache_dtype: str) -> int:
   if cache_dtype == "fp8":
-    return dim + -(-dim // _FP8_GROUP) * 4
+    return dim + -(-dim // FP8_GROUP) * 4
   return dim * jnp.dtype(cache_dtype).itemsize
 
 
@@ -51,9 +50,9 @@ def encode_entries(x: jax.Array, cache_dtype: str) -> UInt8[Array, "T E"]:
   t, d = x.shape
   if cache_dtype != "fp8":
     return jax.lax.bitcast_convert_type(x.astype(cache_dtype), jnp.uint8).reshape(t, -1)
-  groups = -(-d // _FP8_GROUP)
-  padded = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, groups * _FP8_GROUP - d)))
-  q, scale = quantize_fp8_pow2(padded.reshape(t, groups, _FP8_GROUP))
+  groups = -(-d // FP8_GROUP)
+  padded = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, groups * FP8_GROUP - d)))
+  q, scale = quantize_fp8_pow2(padded.reshape(t, groups, FP8_GROUP))
   values = jax.lax.bitcast_convert_type(q.reshape(t, -1)[:, :d], jnp.uint8)
   return jnp.concatenate([values, f32_bytes(scale[..., 0]).reshape(t, groups * 4)], axis=1)
 
@@ -63,10 +62,10 @@ def decode_entries(entries: UInt8[Array, "T E"], cache_dtype: str, dim: int) -> 
   t = entries.shape[0]
   if cache_dtype != "fp8":
     return jax.lax.bitcast_convert_type(entries.reshape(t, dim, -1), jnp.dtype(cache_dtype))
-  groups = -(-dim // _FP8_GROUP)
+  groups = -(-dim // FP8_GROUP)
   values = jax.lax.bitcast_convert_type(entries[:, :dim], FP8_DTYPE).astype(jnp.float32)
   scales = jax.lax.bitcast_convert_type(entries[:, dim:dim + 4 * groups].reshape(t, groups, 4), jnp.float32)
-  return values * jnp.repeat(scales, _FP8_GROUP, axis=1)[:, :dim]
+  return values * jnp.repeat(scales, FP8_GROUP, axis=1)[:, :dim]
 
 
 def _cache_write_kernel(slots_ref, entries_ref, cache_in_ref, cache_ref, *, tokens_per_row, page_offset_bytes):

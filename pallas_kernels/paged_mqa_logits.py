@@ -21,12 +21,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int, UInt8
 
-from pallas_kernels._common import FP8_DTYPE, check_implementation, default_interpret
+from pallas_kernels._common import FP8_DTYPE, MIN_DOT_ROWS, check_implementation, default_interpret
 from pallas_kernels.kpool import INDEXER_CACHE_DTYPES, indexer_page_bytes, read_indexer_entries
 
 __all__ = ["paged_mqa_logits", "paged_mqa_logits_reference"]
-
-_MIN_DOT_ROWS = 16  # Triton's smallest dot tile
 
 
 def _paged_mqa_logits_kernel(q_ref, w_ref, ctx_ref, kt_ref, values_ref, scales_ref, out_ref, *,
@@ -140,7 +138,7 @@ def paged_mqa_logits(
   b, next_n, h, d = q.shape
   p = states_per_page
   # Zero heads (zero weights) up to Triton's smallest dot tile: no effect on the sum.
-  hp = max(_MIN_DOT_ROWS, pl.next_power_of_2(h))
+  hp = max(MIN_DOT_ROWS, pl.next_power_of_2(h))
   if hp != h:
     q = jnp.pad(q, ((0, 0), (0, 0), (0, hp - h), (0, 0)))
     weights = jnp.pad(weights, ((0, 0), (0, hp - h)))

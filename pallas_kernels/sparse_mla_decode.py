@@ -24,13 +24,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int, UInt8
 
-from pallas_kernels._common import FP8_DTYPE, check_implementation, default_interpret
+from pallas_kernels._common import FP8_DTYPE, FP8_GROUP, MIN_DOT_ROWS, check_implementation, default_interpret
 from pallas_kernels.cache_write import decode_entries, entry_bytes
 
 __all__ = ["sparse_mla_decode", "sparse_mla_decode_reference"]
-
-_MIN_DOT_ROWS = 16
-_FP8_GROUP = 128
 
 
 def _token_rows(block_table, req, tok, *, block_size, tokens_per_row, entry_bytes_, page_offset_bytes):
@@ -64,9 +61,9 @@ def _sparse_mla_kernel(q_ref, rows_ref, cols_ref, values_ref, scales_ref, acc_re
     row = jnp.maximum(row, 0)
     c = values_ref[row[:, None], col[:, None] + jnp.arange(l)[None, :]].astype(jnp.float32)  # [BK, L]
     if scales_ref is not None:  # fp8: one fp32 scale per 128 values, right after the values
-      groups = l // _FP8_GROUP
+      groups = l // FP8_GROUP
       sc = scales_ref[row[:, None], ((col + l) // 4)[:, None] + jnp.arange(groups)[None, :]]  # [BK, G]
-      c = (c.reshape(block_k, groups, _FP8_GROUP) * sc[:, :, None]).reshape(block_k, l)
+      c = (c.reshape(block_k, groups, FP8_GROUP) * sc[:, :, None]).reshape(block_k, l)
     # Masked rows read the null block, whose bytes may decode to NaN: 0 * NaN would poison p @ c.
     c = jnp.where(valid[:, None], c, 0.0).astype(dot_dtype)
     s = jnp.dot(q, c.T, precision=precision, preferred_element_type=jnp.float32) * sm_scale  # [BH, BK]
@@ -109,8 +106,8 @@ def _validate(q, cache, token_indices, req_indices, block_table, *, block_size, 
     raise ValueError(f"block_table must be int32[rows, width], got {block_table.dtype}{list(block_table.shape)}.")
   if cache_dtype not in ("bfloat16", "float32", "fp8"):
     raise ValueError(f"cache_dtype must be bfloat16, float32 or fp8, got {cache_dtype!r}.")
-  if cache_dtype == "fp8" and l % _FP8_GROUP:
-    raise ValueError(f"fp8 latent caches need a latent dim that is a multiple of {_FP8_GROUP}, got {l}.")
+  if cache_dtype == "fp8" and l % FP8_GROUP:
+    raise ValueError(f"fp8 latent caches need a latent dim that is a multiple of {FP8_GROUP}, got {l}.")
   e = entry_bytes(l, cache_dtype)
   align = 4 if cache_dtype == "fp8" else jnp.dtype(cache_dtype).itemsize
   if cache.ndim != 2 or cache.dtype != jnp.uint8 or cache.shape[1] % align or page_offset_bytes % align:
@@ -171,7 +168,7 @@ def sparse_mla_decode(
   if implementation == "xla":
     return sparse_mla_decode_reference(q, cache, token_indices, req_indices, block_table, **kw)
   t, h, l = q.shape
-  hp = max(_MIN_DOT_ROWS, pl.next_power_of_2(h))
+  hp = max(MIN_DOT_ROWS, pl.next_power_of_2(h))
   bh = min(block_h, hp)
   if hp != h:
     q = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))

@@ -17,6 +17,7 @@ from jaxkv.kv_cache_spec import (
     cdiv,
 )
 from models.glm5_next.config import Glm5NextConfig
+from pallas_kernels.cache_write import entry_bytes
 
 __all__ = [
     "SPARSE_MLA_BACKEND",
@@ -26,7 +27,6 @@ __all__ = [
     "indexer_backend",
     "tail_ring_size",
     "get_kv_cache_layers",
-    "fp8_row_bytes",
 ]
 
 # Pooled entries per page that the paged MQA logits kernel reads (DeepGEMM's block_kv).
@@ -49,16 +49,12 @@ def tail_ring_size(kpool: int, num_speculative_tokens: int = 0) -> int:
   return kpool * cdiv(kpool + num_speculative_tokens, kpool)
 
 
-def fp8_row_bytes(dim: int) -> int:
-  """``dim`` fp8 values and one fp32 scale per 128 of them (132 bytes for 128)."""
-  return dim + cdiv(dim, 128) * 4
-
-
 def _cache_spec_args(dim: int, cache_dtype: str) -> dict:
   if cache_dtype not in CACHE_DTYPES:
     raise ValueError(f"cache dtype {cache_dtype!r} is not one of {CACHE_DTYPES}.")
   if cache_dtype == "fp8":
-    return {"head_size": dim, "dtype": "uint8", "state_content_bytes": fp8_row_bytes(dim)}
+    # dim fp8 values and one fp32 scale per 128 of them: 132 bytes for the 128-dim indexer key.
+    return {"head_size": dim, "dtype": "uint8", "state_content_bytes": entry_bytes(dim, "fp8")}
   return {"head_size": dim, "dtype": cache_dtype}
 
 
