@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
   except ValueError as e:
     print(f"jaxkv {args.command}: error: {e}", file=sys.stderr)
     return 2
+  except BrokenPipeError:  # `jaxkv inspect | head`: the reader left; not an error of ours
+    sys.stderr.close()
+    return 0
 
 
 if __name__ == "__main__":
