@@ -1,0 +1,167 @@
+"""Load HF ``glm5_next`` checkpoints (safetensors + config.json; nothing executed) into the Flax model.
+
+Name mapping (checkpoint -> model), after stripping ``model.language_model.`` (multimodal) or
+``model.`` (text-only) prefixes:
+
+| checkpoint | model |
+|---|---|
+| ``layers.L.hc_{attn,ffn}_{fn,base,scale}`` | ``layers[L].{attn,ffn}_hc.{fn,base,scale}`` |
+| ``layers.L.mlp.gate.weight`` / ``.e_score_correction_bias`` | ``layers[L].mlp.gate_weight`` / ``.e_score_correction_bias`` |
+| ``layers.L.mlp.experts.E.{gate,up,down}_proj.weight`` | ``layers[L].mlp.experts_{gate,up,down}[E]`` (stacked) |
+| ``layers.L.self_attn.{q,k,v}_conv1d.weight`` | ``layers[L].self_attn.{q,k,v}_conv1d`` |
+| ``layers.N.*`` (N = num_hidden_layers: the MTP layer) | ``mtp.*`` (``shared_head.norm`` -> ``shared_head_norm``) |
+| ``lm_head.weight``, ``embed_tokens.weight`` | ``lm_head``, ``embed_tokens`` |
+| everything else | the same dotted path |
+
+Vision tensors are ignored. Unknown, missing or mis-shaped tensors raise ``ValueError`` naming them.
+HF drops the MTP layer at load and never saves it: a checkpoint without any ``layers.N.*`` tensor
+loads without the MTP layer.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.glm5_next.config import Glm5NextConfig, load_config
+from models.glm5_next.model import Glm5NextForCausalLM
+
+__all__ = ["load_checkpoint", "checkpoint_name", "read_safetensors", "save_checkpoint"]
+
+_VISION = re.compile(r"(^|\.)(visual|vision_tower|vision_model|multi_modal_projector|mm_projector)\.")
+_EXPERT = re.compile(r"^(layers\.\d+\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_PREFIXES = ("model.language_model.", "model.")
+
+
+def checkpoint_name(path: tuple, num_layers: int) -> str:
+  """The checkpoint tensor name of a model parameter path (stacked experts: a ``{e}`` template)."""
+  parts = [str(p) for p in path]
+  if parts[0] == "mtp":
+    parts = ["layers", str(num_layers)] + parts[1:]
+  name = ".".join(parts)
+  name = re.sub(r"\.(attn|ffn)_hc\.(fn|base|scale)$", r".hc_\1_\2", name)
+  name = re.sub(r"\.mlp\.gate_weight$", ".mlp.gate.weight", name)
+  name = re.sub(r"\.mlp\.e_score_correction_bias$", ".mlp.gate.e_score_correction_bias", name)
+  name = re.sub(r"\.mlp\.experts_(gate|up|down)$", r".mlp.experts.{e}.\1_proj.weight", name)
+  name = re.sub(r"\.shared_head_norm\.weight$", ".shared_head.norm.weight", name)
+  name = re.sub(r"\.(q|k|v)_conv1d$", r".\1_conv1d.weight", name)
+  if name in ("embed_tokens", "lm_head"):
+    name += ".weight"
+  return name
+
+
+def read_safetensors(model_path: str | pathlib.Path) -> dict[str, np.ndarray]:
+  """All tensors of ``model.safetensors`` or of the shards listed in ``model.safetensors.index.json``."""
+  from safetensors import safe_open
+
+  root = pathlib.Path(model_path)
+  index = root / "model.safetensors.index.json"
+  if index.is_file():
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+  elif (root / "model.safetensors").is_file():
+    files = ["model.safetensors"]
+  else:
+    raise ValueError(f"no model.safetensors or model.safetensors.index.json in {root}.")
+  out = {}
+  for f in files:
+    with safe_open(root / f, framework="flax") as fh:
+      for k in fh.keys():
+        out[k] = fh.get_tensor(k)
+  return out
+
+
+def _strip(name: str) -> str | None:
+  if _VISION.search(name):
+    return None
+  if name == "lm_head.weight":
+    return name
+  for p in _PREFIXES:
+    if name.startswith(p):
+      return name[len(p):]
+  return name
+
+
+def load_checkpoint(model_path: str | pathlib.Path, *, dtype=None) -> tuple[Glm5NextConfig, Glm5NextForCausalLM]:
+  """Config and model of an HF checkpoint directory.
+
+  Args:
+    dtype: cast every tensor to it (e.g. ``jnp.float32``); None keeps the stored dtypes.
+  """
+  config = load_config(model_path)
+  tensors = {}
+  for name, value in read_safetensors(model_path).items():
+    key = _strip(name)
+    if key is not None:
+      tensors[key] = value
+  mtp_prefix = f"layers.{config.num_hidden_layers}."
+  has_mtp = any(k.startswith(mtp_prefix) for k in tensors)
+  if not has_mtp and config.num_nextn_predict_layers:
+    import dataclasses
+
+    config = dataclasses.replace(config, num_nextn_predict_layers=0)
+  abstract = nnx.eval_shape(lambda: Glm5NextForCausalLM(config, dtype=dtype or jnp.float32))
+  graphdef, state = nnx.split(abstract)
+  flat = nnx.to_flat_state(state)
+  used: set[str] = set()
+  missing, misshaped = [], []
+  leaves = []
+  for path, var in flat:
+    template = checkpoint_name(path, config.num_hidden_layers)
+    want = var.get_value().shape
+    if "{e}" in template:
+      names = [template.format(e=e) for e in range(want[0])]
+      absent = [n for n in names if n not in tensors]
+      if absent:
+        missing += absent
+        leaves.append((path, var))
+        continue
+      value = jnp.stack([tensors[n] for n in names])
+      used.update(names)
+    elif template not in tensors:
+      missing.append(template)
+      leaves.append((path, var))
+      continue
+    else:
+      value = jnp.asarray(tensors[template])
+      used.add(template)
+    if tuple(value.shape) != tuple(want):
+      misshaped.append(f"{template}: checkpoint {list(value.shape)}, model {list(want)}")
+    if dtype is not None:
+      value = value.astype(dtype)
+    leaves.append((path, var.replace(value)))
+  unknown = sorted(set(tensors) - used)
+  problems = []
+  if missing:
+    problems.append(f"missing tensors: {missing[:10]}{' ...' if len(missing) > 10 else ''} ({len(missing)})")
+  if unknown:
+    problems.append(f"unknown tensors: {unknown[:10]}{' ...' if len(unknown) > 10 else ''} ({len(unknown)})")
+  if misshaped:
+    problems.append(f"mis-shaped tensors: {misshaped[:10]}")
+  if problems:
+    raise ValueError(f"checkpoint {model_path} does not match the glm5_next config: " + "; ".join(problems))
+  model = nnx.merge(graphdef, nnx.from_flat_state(leaves))
+  return config, model
+
+
+def save_checkpoint(model: Glm5NextForCausalLM, model_path: str | pathlib.Path, config_dict: dict) -> None:
+  """Writes ``config.json`` and ``model.safetensors`` with checkpoint names (random models, tests)."""
+  from safetensors.numpy import save_file
+
+  root = pathlib.Path(model_path)
+  root.mkdir(parents=True, exist_ok=True)
+  (root / "config.json").write_text(json.dumps(config_dict, indent=1))
+  out = {}
+  num_layers = model.config.num_hidden_layers
+  for path, var in nnx.to_flat_state(nnx.state(model)):
+    template = checkpoint_name(path, num_layers)
+    value = np.asarray(jax.device_get(var.get_value()))
+    names = {template.format(e=e): value[e] for e in range(value.shape[0])} if "{e}" in template else {template: value}
+    for n, v in names.items():
+      out[n if n == "lm_head.weight" else "model.language_model." + n] = np.ascontiguousarray(v)
+  save_file(out, str(root / "model.safetensors"))

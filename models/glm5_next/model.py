@@ -1,0 +1,498 @@
+"""GLM-5.3-Flash text tower in Flax NNX: the reference forward over whole sequences (no caches).
+
+This is the definition the paged path is checked against; it follows HF transformers 5.24's
+no-cache forward (``docs/glm-5.3-flash-architecture.md``). Parameter names mirror the checkpoint
+(``model.language_model.layers.L.self_attn.q_proj.weight`` is ``layers[L].self_attn.q_proj.weight``),
+matrices are stored ``[out, in]`` as in PyTorch, and routed experts are stacked ``[E, ...]``.
+
+Einsum letters: B batch, T query tokens, S key tokens, D hidden, H heads, K head dim, L latent,
+N mHC streams, E experts, I expert width, P pools, C pool slots.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from models.glm5_next.config import Glm5NextConfig
+
+__all__ = [
+    "Glm5NextForCausalLM",
+    "RMSNorm",
+    "HyperConnection",
+    "KimiDeltaAttention",
+    "SparseMLAttention",
+    "Indexer",
+    "MoE",
+    "MLP",
+    "MTPLayer",
+    "kda_recurrent",
+    "kda_chunked",
+    "select_indexer_tokens",
+]
+
+_HP = jax.lax.Precision.HIGHEST
+
+
+def _param(rngs: nnx.Rngs | None, shape, dtype, std=0.1, mean=0.0):
+  if rngs is None:
+    return nnx.Param(jnp.zeros(shape, dtype))
+  return nnx.Param((mean + std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
+
+
+def _linear(x, w):
+  """``x @ w.T`` for a PyTorch-layout ``[out, in]`` weight, at full precision."""
+  return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), precision=_HP)
+
+
+class Linear(nnx.Module):
+  def __init__(self, d_in: int, d_out: int, *, dtype, rngs: nnx.Rngs | None, std: float = 0.1):
+    self.weight = _param(rngs, (d_out, d_in), dtype, std)
+
+  def __call__(self, x):
+    return _linear(x, self.weight[...])
+
+
+class RMSNorm(nnx.Module):
+  """``w * (x / rms(x))``; statistics in float32, cast back before the weight (as HF does)."""
+
+  def __init__(self, dim: int, eps: float, *, dtype, rngs: nnx.Rngs | None):
+    self.weight = _param(rngs, (dim,), dtype, std=0.1, mean=1.0)
+    self.eps = eps
+
+  def __call__(self, x):
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    return self.weight[...].astype(x.dtype) * xf.astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+  def __init__(self, dim: int, eps: float, *, dtype, rngs: nnx.Rngs | None):
+    self.weight = _param(rngs, (dim,), dtype, std=0.1, mean=1.0)
+    self.bias = _param(rngs, (dim,), dtype, std=0.1)
+    self.eps = eps
+
+  def __call__(self, x):
+    xf = x.astype(jnp.float32)
+    mu = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mu), axis=-1, keepdims=True)
+    y = (xf - mu) * jax.lax.rsqrt(var + self.eps)
+    return (y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class HyperConnection(nnx.Module):
+  """mHC: collapse ``N`` streams into a sublayer input; the post and comb weights to expand it back."""
+
+  def __init__(self, config: Glm5NextConfig, *, dtype, rngs: nnx.Rngs | None):
+    n = config.hc_mult
+    self.fn = _param(rngs, ((2 + n) * n, n * config.hidden_size), dtype, std=0.05)
+    self.base = _param(rngs, ((2 + n) * n,), jnp.float32, std=0.5)
+    self.scale = nnx.Param(jnp.ones((3,), jnp.float32) if rngs is None else
+                           jax.random.uniform(rngs.params(), (3,), jnp.float32, 0.5, 1.5))
+    self.n, self.eps, self.iters, self.norm_eps = n, config.hc_eps, config.hc_sinkhorn_iters, config.rms_norm_eps
+
+  def __call__(self, streams: Float[Array, "B T N D"]):
+    n = self.n
+    flat = streams.reshape(*streams.shape[:-2], -1).astype(jnp.float32)
+    flat = flat * jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + self.norm_eps)
+    mixed = _linear(flat, self.fn[...].astype(jnp.float32))
+    base, scale = self.base[...], self.scale[...]
+    pre = jax.nn.sigmoid(mixed[..., :n] * scale[0] + base[:n]) + self.eps
+    post = 2.0 * jax.nn.sigmoid(mixed[..., n:2 * n] * scale[1] + base[n:2 * n])
+    comb = mixed[..., 2 * n:].reshape(*mixed.shape[:-1], n, n) * scale[2] + base[2 * n:].reshape(n, n)
+    comb = jax.nn.softmax(comb, axis=-1) + self.eps
+    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + self.eps)
+    for _ in range(self.iters - 1):
+      comb = comb / (jnp.sum(comb, axis=-1, keepdims=True) + self.eps)
+      comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + self.eps)
+    collapsed = jnp.sum(pre[..., None] * streams.astype(jnp.float32), axis=-2).astype(streams.dtype)
+    return post, comb, collapsed
+
+  @staticmethod
+  def expand(post, comb, y, residual):
+    """``X'[j] = post[j] * y + sum_i comb[i, j] * X[i]`` in the activation dtype."""
+    dt = residual.dtype
+    return post.astype(dt)[..., None] * y[..., None, :] + jnp.einsum(
+        "btij,btid->btjd", comb.astype(dt), residual, precision=_HP)
+
+
+def _swiglu_clamped(gate, up, limit):
+  return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
+
+
+class MLP(nnx.Module):
+  def __init__(self, config: Glm5NextConfig, width: int, *, dtype, rngs: nnx.Rngs | None):
+    d = config.hidden_size
+    self.gate_proj = Linear(d, width, dtype=dtype, rngs=rngs)
+    self.up_proj = Linear(d, width, dtype=dtype, rngs=rngs)
+    self.down_proj = Linear(width, d, dtype=dtype, rngs=rngs)
+    self.limit = config.swiglu_limit
+
+  def __call__(self, x):
+    return self.down_proj(_swiglu_clamped(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class MoE(nnx.Module):
+  """Sigmoid router (bias for selection only), renormalized scaled top-k experts + shared expert."""
+
+  def __init__(self, config: Glm5NextConfig, *, dtype, rngs: nnx.Rngs | None):
+    d, e, i = config.hidden_size, config.n_routed_experts, config.moe_intermediate_size
+    self.gate_weight = _param(rngs, (e, d), jnp.float32)
+    self.e_score_correction_bias = _param(rngs, (e,), jnp.float32)
+    self.experts_gate = _param(rngs, (e, i, d), dtype)
+    self.experts_up = _param(rngs, (e, i, d), dtype)
+    self.experts_down = _param(rngs, (e, d, i), dtype)
+    self.shared_experts = MLP(config, i * config.n_shared_experts, dtype=dtype, rngs=rngs)
+    self.top_k, self.scale, self.norm = config.num_experts_per_tok, config.routed_scaling_factor, config.norm_topk_prob
+    self.limit = config.swiglu_limit
+
+  def routing(self, x):
+    """Per-token weights over all experts, zero outside the top-k: ``[..., E]`` float32."""
+    scores = jax.nn.sigmoid(_linear(x.astype(jnp.float32), self.gate_weight[...]))
+    _, idx = jax.lax.top_k(scores + self.e_score_correction_bias[...], self.top_k)
+    chosen = jnp.take_along_axis(scores, idx, axis=-1)
+    if self.norm:
+      chosen = chosen / (jnp.sum(chosen, axis=-1, keepdims=True) + 1e-20)
+    weights = jnp.zeros_like(scores)
+    weights = jnp.put_along_axis(weights, idx, chosen * self.scale, axis=-1, inplace=False)
+    return weights
+
+  def __call__(self, x):
+    w = self.routing(x).astype(x.dtype)
+    # Reference form: every expert on every token, weighted (zero weight outside the top-k).
+    g = jnp.einsum("btd,eid->btei", x, self.experts_gate[...].astype(x.dtype), precision=_HP)
+    u = jnp.einsum("btd,eid->btei", x, self.experts_up[...].astype(x.dtype), precision=_HP)
+    h = _swiglu_clamped(g, u, self.limit) * w[..., None]
+    routed = jnp.einsum("btei,edi->btd", h, self.experts_down[...].astype(x.dtype), precision=_HP)
+    return routed + self.shared_experts(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# KDA
+
+
+def _l2norm(x, eps=1e-6):
+  return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def kda_recurrent(q, k, v, g, beta, state):
+  """Delta rule token by token. ``q, k, v, g: [B, T, H, K]``, ``beta: [B, T, H]``, ``state: [B, H, K, K]``.
+
+  Per token: ``S <- diag(exp(g)) S``; ``u = beta (v - S^T k)``; ``S <- S + k u^T``; ``o = S^T q``.
+  """
+
+  def step(s, inp):
+    qt, kt, vt, gt, bt = inp
+    s = s * jnp.exp(gt)[..., None]
+    u = bt[..., None] * (vt - jnp.einsum("bhkv,bhk->bhv", s, kt, precision=_HP))
+    s = s + kt[..., None] * u[..., None, :]
+    return s, jnp.einsum("bhkv,bhk->bhv", s, qt, precision=_HP)
+
+  xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
+  state, o = jax.lax.scan(step, state, xs)
+  return jnp.moveaxis(o, 0, 1), state
+
+
+def kda_chunked(q, k, v, g, beta, state, chunk_size: int = 64):
+  """The same recurrence in chunked (prefill) form; equal to ``kda_recurrent`` up to rounding."""
+  b, t, h, d = q.shape
+  c = chunk_size
+  pad = (-t) % c
+  if pad:  # zero-padded tokens: g = 0 (no decay), beta = 0 (no write), outputs dropped
+    q, k, v, g = (jnp.pad(a, ((0, 0), (0, pad), (0, 0), (0, 0))) for a in (q, k, v, g))
+    beta = jnp.pad(beta, ((0, 0), (0, pad), (0, 0)))
+  n = (t + pad) // c
+  split = lambda a: jnp.moveaxis(a.reshape(b, n, c, *a.shape[2:]), 1, 0)  # [n, B, C, H, ...]
+  qs, ks, vs, gs, bs = map(split, (q, k, v, g, beta))
+  tri_strict = jnp.tril(jnp.ones((c, c), bool), -1)
+  tri = jnp.tril(jnp.ones((c, c), bool))
+
+  def step(s0, inp):
+    qc, kc, vc, gc, bc = inp  # [B, C, H, K], beta [B, C, H]
+    gam = jnp.cumsum(gc, axis=1)  # [B, C, H, K]
+    diff = gam[:, :, None] - gam[:, None, :]  # [B, r, j, H, K]
+    # Mask the exponent, not the product: r < j differences can overflow exp.
+    decay_strict = jnp.exp(jnp.where(tri_strict[None, :, :, None, None], diff, -jnp.inf))
+    decay = jnp.exp(jnp.where(tri[None, :, :, None, None], diff, -jnp.inf))
+    a = bc.transpose(0, 2, 1)[..., None] * jnp.einsum("brhk,bjhk,brjhk->bhrj", kc, kc, decay_strict, precision=_HP)
+    eye = jnp.eye(c, dtype=a.dtype)
+    tinv = jax.scipy.linalg.solve_triangular(eye + a, jnp.broadcast_to(eye, a.shape), lower=True, unit_diagonal=True)
+    bv = bc[..., None] * vc  # [B, C, H, K]
+    bk = bc[..., None] * kc * jnp.exp(gam)
+    rhs = bv.transpose(0, 2, 1, 3) - jnp.einsum("bhck,bhkv->bhcv", bk.transpose(0, 2, 1, 3), s0, precision=_HP)
+    u = jnp.einsum("bhrj,bhjv->bhrv", tinv, rhs, precision=_HP)  # [B, H, C, V]
+    m = jnp.einsum("brhk,bjhk,brjhk->bhrj", qc, kc, decay, precision=_HP)
+    o = jnp.einsum("bhck,bhkv->bhcv", (qc * jnp.exp(gam)).transpose(0, 2, 1, 3), s0, precision=_HP)
+    o = o + jnp.einsum("bhrj,bhjv->bhrv", m, u, precision=_HP)
+    last = gam[:, -1]  # [B, H, K]
+    s1 = s0 * jnp.exp(last)[..., None] + jnp.einsum(
+        "bchk,bhcv->bhkv", kc * jnp.exp(last[:, None] - gam), u, precision=_HP)
+    return s1, o.transpose(0, 2, 1, 3)
+
+  state, o = jax.lax.scan(step, state, (qs, ks, vs, gs, bs))
+  o = jnp.moveaxis(o, 0, 1).reshape(b, n * c, h, d)
+  return o[:, :t], state
+
+
+class KimiDeltaAttention(nnx.Module):
+  """KDA: q/k/v short convolutions, bounded forget gate, delta rule, gated RMSNorm output."""
+
+  def __init__(self, config: Glm5NextConfig, *, dtype, rngs: nnx.Rngs | None):
+    d, h, k = config.hidden_size, config.linear_num_heads, config.linear_head_dim
+    c, kw = h * k, config.linear_conv_kernel_dim
+    for name in ("q_proj", "k_proj", "v_proj"):
+      setattr(self, name, Linear(d, c, dtype=dtype, rngs=rngs))
+    for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+      setattr(self, name, _param(rngs, (c, 1, kw), jnp.float32, std=0.3))
+    self.f_a_proj = Linear(d, k, dtype=dtype, rngs=rngs)
+    self.f_b_proj = Linear(k, c, dtype=dtype, rngs=rngs)
+    self.g_a_proj = Linear(d, k, dtype=dtype, rngs=rngs)
+    self.g_b_proj = Linear(k, c, dtype=dtype, rngs=rngs)
+    self.b_proj = Linear(d, h, dtype=dtype, rngs=rngs)
+    self.A_log = _param(rngs, (h,), jnp.float32, std=0.5)
+    if rngs is None:
+      self.dt_bias = nnx.Param(jnp.zeros((c,), jnp.float32))
+    else:  # inverse softplus of a log-uniform dt in [1e-3, 0.1], as HF initializes it
+      dt = jnp.exp(jax.random.uniform(rngs.params(), (c,), jnp.float32, math.log(1e-3), math.log(0.1)))
+      self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)))
+    self.o_norm = RMSNorm(k, config.rms_norm_eps, dtype=dtype, rngs=rngs)
+    self.o_proj = Linear(c, d, dtype=dtype, rngs=rngs)
+    self.h, self.k, self.kw = h, k, kw
+    self.lower_bound, self.eps = config.linear_gate_lower_bound, config.rms_norm_eps
+
+  def conv_weights(self):
+    """Depthwise taps ``[kw, 3C]`` for the concatenated q|k|v channels (tap ``kw-1``: current token)."""
+    return jnp.concatenate([w[...][:, 0, :] for w in (self.q_conv1d, self.k_conv1d, self.v_conv1d)], axis=0).T
+
+  def gates(self, x):
+    """Log-decay ``g [B, T, H, K]`` and write strength ``beta [B, T, H]`` (float32)."""
+    f = self.f_b_proj(self.f_a_proj(x)).astype(jnp.float32) + self.dt_bias[...]
+    f = f.reshape(*x.shape[:-1], self.h, self.k)
+    g = self.lower_bound * jax.nn.sigmoid(jnp.exp(self.A_log[...])[:, None] * f)
+    return g, jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+
+  def __call__(self, x, conv_state=None, recurrent_state=None, *, chunked: bool = True, chunk_size: int = 64):
+    """``x [B, T, D]`` -> ``(y [B, T, D], (conv_state [B, kw-1, 3C], recurrent_state [B, H, K, K]))``."""
+    b, t, _ = x.shape
+    mixed = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)  # [B, T, 3C]
+    if conv_state is None:
+      conv_state = jnp.zeros((b, self.kw - 1, mixed.shape[-1]), mixed.dtype)
+    window = jnp.concatenate([conv_state.astype(mixed.dtype), mixed], axis=1)  # [B, kw-1+T, 3C]
+    taps = self.conv_weights()
+    conv = sum(window[:, j:j + t].astype(jnp.float32) * taps[j] for j in range(self.kw))
+    conv = jax.nn.silu(conv).astype(x.dtype)
+    new_conv_state = window[:, -(self.kw - 1):]
+    q, k, v = (a.reshape(b, t, self.h, self.k).astype(jnp.float32) for a in jnp.split(conv, 3, axis=-1))
+    q = _l2norm(q) * self.k ** -0.5
+    k = _l2norm(k)
+    g, beta = self.gates(x)
+    if recurrent_state is None:
+      recurrent_state = jnp.zeros((b, self.h, self.k, self.k), jnp.float32)
+    if chunked:
+      o, state = kda_chunked(q, k, v, g, beta, recurrent_state, chunk_size)
+    else:
+      o, state = kda_recurrent(q, k, v, g, beta, recurrent_state)
+    gate = self.g_b_proj(self.g_a_proj(x)).reshape(b, t, self.h, self.k).astype(jnp.float32)
+    # Gated RMSNorm stays float32 through weight and gate (as HF's RMSNormGated).
+    o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + self.eps)
+    o = o * self.o_norm.weight[...].astype(jnp.float32) * jax.nn.sigmoid(gate)
+    return self.o_proj(o.astype(x.dtype).reshape(b, t, -1)), (new_conv_state, state)
+
+
+# ---------------------------------------------------------------------------------------------
+# DSA: NoPE MLA + pooled lightning indexer
+
+
+def select_indexer_tokens(scores, seq_lens, *, kpool: int, index_topk: int):
+  """Whole-sequence selection: ``scores [B, T, P]`` pool scores -> token indices ``[B, T, topk+kpool-1]``.
+
+  Same rule as ``pallas_kernels.topk_selection.select_topk_tokens`` (higher score first, then lower
+  pool index), batched over ``B``.
+  """
+  from pallas_kernels.topk_selection import select_topk_tokens
+
+  b, t, p = scores.shape
+  out = select_topk_tokens(scores.reshape(b * t, p), seq_lens.reshape(b * t), kpool=kpool, index_topk=index_topk)
+  return out.reshape(b, t, -1)
+
+
+class Indexer(nnx.Module):
+  def __init__(self, config: Glm5NextConfig, *, dtype, rngs: nnx.Rngs | None):
+    d, h, k = config.hidden_size, config.index_n_heads, config.index_head_dim
+    self.wq_b = Linear(config.q_lora_rank, h * k, dtype=dtype, rngs=rngs)
+    self.wk = Linear(d, k, dtype=dtype, rngs=rngs)
+    self.k_norm = LayerNorm(k, 1e-6, dtype=dtype, rngs=rngs)
+    self.weights_proj = Linear(d, h, dtype=dtype, rngs=rngs)
+    self.index_kpool_compress_ape = _param(rngs, (config.index_kpool, k), dtype, std=0.5)
+    self.index_kpool_compress_gate = _param(rngs, (k, d), dtype)
+    self.h, self.k, self.kpool, self.topk = h, k, config.index_kpool, config.index_topk
+
+  def project(self, x, q_resid):
+    """Per token: queries ``[B, T, H, K]``, normed keys ``[B, T, K]``, gates ``[B, T, K]``, head weights ``[B, T, H]``."""
+    q = self.wq_b(q_resid).reshape(*x.shape[:-1], self.h, self.k)
+    key = self.k_norm(self.wk(x))
+    gate = _linear(x, self.index_kpool_compress_gate[...])
+    w = self.weights_proj(x).astype(jnp.float32) * self.h ** -0.5
+    return q, key, gate, w
+
+  def pool(self, key, gate):
+    """Complete pools of a whole sequence: ``[B, T // kpool, K]`` (softmax in f32, cast before the sum)."""
+    b, t, k = key.shape
+    p = t // self.kpool
+    kk = key[:, : p * self.kpool].reshape(b, p, self.kpool, k)
+    gg = gate[:, : p * self.kpool].reshape(b, p, self.kpool, k).astype(jnp.float32)
+    probs = jax.nn.softmax(gg + self.index_kpool_compress_ape[...].astype(jnp.float32), axis=2).astype(key.dtype)
+    return jnp.sum(probs * kk, axis=2)
+
+  def scores(self, q, w, pooled):
+    """``sum_h w_h relu(q_h . K_p / sqrt(K))`` in float32: ``[B, T, P]``."""
+    s = jnp.einsum("bthk,bpk->bthp", q.astype(jnp.float32), pooled.astype(jnp.float32), precision=_HP)
+    return jnp.einsum("bthp,bth->btp", jax.nn.relu(s * self.k ** -0.5), w, precision=_HP)
+
+  def __call__(self, x, q_resid):
+    """Selected token indices ``[B, T, topk + kpool - 1]`` of each query (whole sequences from 0)."""
+    q, key, gate, w = self.project(x, q_resid)
+    pooled = self.pool(key, gate)
+    t = x.shape[1]
+    seq_lens = jnp.broadcast_to(jnp.arange(1, t + 1, dtype=jnp.int32), x.shape[:2])
+    if pooled.shape[1] == 0:  # no complete pool yet: only tails
+      pooled = jnp.zeros((x.shape[0], 1, self.k), key.dtype)
+    return select_indexer_tokens(self.scores(q, w, pooled), seq_lens, kpool=self.kpool, index_topk=self.topk)
+
+
+class SparseMLAttention(nnx.Module):
+  """NoPE MLA over the selected tokens; the 512-wide ``c_kv`` is the only per-token cache entry."""
+
+  def __init__(self, config: Glm5NextConfig, *, dtype, rngs: nnx.Rngs | None, with_indexer: bool = True):
+    d, h = config.hidden_size, config.num_attention_heads
+    self.q_a_proj = Linear(d, config.q_lora_rank, dtype=dtype, rngs=rngs)
+    self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps, dtype=dtype, rngs=rngs)
+    self.q_b_proj = Linear(config.q_lora_rank, h * config.qk_nope_head_dim, dtype=dtype, rngs=rngs)
+    self.kv_a_proj_with_mqa = Linear(d, config.kv_lora_rank, dtype=dtype, rngs=rngs)
+    self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps, dtype=dtype, rngs=rngs)
+    self.kv_b_proj = Linear(config.kv_lora_rank, h * (config.qk_nope_head_dim + config.v_head_dim), dtype=dtype,
+                            rngs=rngs)
+    self.o_proj = Linear(h * config.v_head_dim, d, dtype=dtype, rngs=rngs)
+    self.indexer = Indexer(config, dtype=dtype, rngs=rngs) if with_indexer else None
+    self.h, self.dk, self.dv = h, config.qk_nope_head_dim, config.v_head_dim
+
+  def latent(self, x):
+    """``(q_resid [B, T, R_q], c_kv [B, T, L])``."""
+    return self.q_a_layernorm(self.q_a_proj(x)), self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
+
+  def __call__(self, x, prev_indices=None):
+    """``x [B, T, D]`` -> ``(y [B, T, D], indices [B, T, W])``; ``prev_indices`` for "shared" layers."""
+    b, t, _ = x.shape
+    q_resid, c_kv = self.latent(x)
+    q = self.q_b_proj(q_resid).reshape(b, t, self.h, self.dk)
+    kv = self.kv_b_proj(c_kv).reshape(b, t, self.h, self.dk + self.dv)
+    k, v = kv[..., : self.dk], kv[..., self.dk:]
+    if self.indexer is not None:
+      indices = self.indexer(x, q_resid)
+    elif prev_indices is None:
+      raise ValueError("a 'shared' indexer layer needs the indices of the previous full DSA layer.")
+    else:
+      indices = prev_indices
+    valid = indices >= 0
+    mask = jnp.zeros((b, t, t), bool).at[
+        jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], jnp.where(valid, indices, 0)].max(valid)
+    s = jnp.einsum("bthk,bshk->bhts", q, k, precision=_HP).astype(jnp.float32) * self.dk ** -0.5
+    s = jnp.where(mask[:, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1).astype(x.dtype)
+    o = jnp.einsum("bhts,bshk->bthk", p, v, precision=_HP).reshape(b, t, -1)
+    return self.o_proj(o), indices
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers and model
+
+
+class DecoderLayer(nnx.Module):
+  def __init__(self, config: Glm5NextConfig, layer_idx: int, *, dtype, rngs: nnx.Rngs | None):
+    self.kind = config.layer_types[layer_idx]
+    if self.kind == "linear_attention":
+      self.self_attn = KimiDeltaAttention(config, dtype=dtype, rngs=rngs)
+    else:
+      self.self_attn = SparseMLAttention(config, dtype=dtype, rngs=rngs,
+                                         with_indexer=config.indexer_types[layer_idx] == "full")
+    moe = config.mlp_layer_types[layer_idx] == "sparse"
+    self.mlp = MoE(config, dtype=dtype, rngs=rngs) if moe else MLP(config, config.intermediate_size, dtype=dtype,
+                                                                   rngs=rngs)
+    self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
+    self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
+    self.attn_hc = HyperConnection(config, dtype=dtype, rngs=rngs)
+    self.ffn_hc = HyperConnection(config, dtype=dtype, rngs=rngs)
+
+  def __call__(self, streams, prev_indices=None):
+    post, comb, u = self.attn_hc(streams)
+    x = self.input_layernorm(u)
+    indices = None
+    if self.kind == "linear_attention":
+      y, _ = self.self_attn(x)
+    else:
+      y, indices = self.self_attn(x, prev_indices)
+    streams = HyperConnection.expand(post, comb, y, streams)
+    post, comb, u = self.ffn_hc(streams)
+    z = self.mlp(self.post_attention_layernorm(u))
+    return HyperConnection.expand(post, comb, z, streams), indices
+
+
+class MTPLayer(nnx.Module):
+  """NextN drafting layer: plain pre-norm block (no mHC) with DSA attention and MoE."""
+
+  def __init__(self, config: Glm5NextConfig, *, dtype, rngs: nnx.Rngs | None):
+    d, eps = config.hidden_size, config.rms_norm_eps
+    self.enorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
+    self.hnorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
+    self.eh_proj = Linear(2 * d, d, dtype=dtype, rngs=rngs)
+    self.input_layernorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
+    self.self_attn = SparseMLAttention(config, dtype=dtype, rngs=rngs)
+    self.post_attention_layernorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
+    self.mlp = MoE(config, dtype=dtype, rngs=rngs)
+    self.shared_head_norm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
+
+  def __call__(self, hidden, next_embeds, positions):
+    """``hidden [B, T, D]`` (post final norm) and the next tokens' embeddings -> draft hidden ``h'``."""
+    e = jnp.where((positions == 0)[..., None], 0.0, next_embeds).astype(hidden.dtype)
+    z = self.eh_proj(jnp.concatenate([self.enorm(e), self.hnorm(hidden)], axis=-1))
+    z = z + self.self_attn(self.input_layernorm(z))[0]
+    z = z + self.mlp(self.post_attention_layernorm(z))
+    return self.shared_head_norm(z)
+
+
+class Glm5NextForCausalLM(nnx.Module):
+  """The text tower (+ the MTP layer when ``num_nextn_predict_layers`` > 0).
+
+  Args:
+    rngs: random initialization with scales that make routing, clamps, pooling and mHC move
+      (docs/glm-5.3-flash-architecture.md section 8); None allocates zeros for a checkpoint load.
+  """
+
+  def __init__(self, config: Glm5NextConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+    self.config = config
+    d = config.hidden_size
+    self.embed_tokens = _param(rngs, (config.vocab_size, d), dtype, std=1.0)
+    self.layers = nnx.List([DecoderLayer(config, i, dtype=dtype, rngs=rngs) for i in range(config.num_hidden_layers)])
+    self.norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, rngs=rngs)
+    self.lm_head = _param(rngs, (config.vocab_size, d), dtype)
+    self.mtp = MTPLayer(config, dtype=dtype, rngs=rngs) if config.num_nextn_predict_layers else None
+
+  def hidden_states(self, input_ids: Int[Array, "B T"]) -> Float[Array, "B T D"]:
+    """Post-final-norm hidden states (what the head and the MTP layer read)."""
+    e = self.embed_tokens[...][input_ids]
+    streams = jnp.broadcast_to(e[:, :, None], (*e.shape[:2], self.config.hc_mult, e.shape[-1]))
+    indices = None
+    for layer in self.layers:
+      streams, out_indices = layer(streams, indices)
+      indices = out_indices if out_indices is not None else indices
+    return self.norm(jnp.mean(streams, axis=2))
+
+  def logits(self, hidden):
+    return _linear(hidden, self.lm_head[...]).astype(jnp.float32)
+
+  def __call__(self, input_ids: Int[Array, "B T"]) -> Float[Array, "B T V"]:
+    return self.logits(self.hidden_states(input_ids))
