@@ -1,0 +1,258 @@
+"""The paged forward: one step over a flat batch of tokens of many requests, on the jaxkv caches.
+
+A step's tokens are ``[T]`` (bucketed), each with its request's block-table row (``req_indices``,
+-1 for padding) and position; a request's tokens are contiguous and in position order, so one step
+can hold prefill chunks (starting and ending anywhere, mid-pool included) and decode tokens
+together. Every cache is read and written in place through ``jaxkv``:
+
+* MLA latent: ``compute_slot_mapping`` -> ``write_to_paged_cache``; read back by
+  ``sparse_mla_decode`` (absorbed form) over the selected tokens.
+* Pooled indexer keys + tail ring: ``compute_compressed_slot_mapping`` over the attention group's
+  kernel-block table and ``compute_circular_slot_mapping`` -> ``kpool_compress_and_write``; scored
+  by ``paged_mqa_logits``; selected by ``select_topk_tokens``.
+* KDA: the request's state slot (its one block in the layer's group) is read, advanced token by
+  token, and written back; a request whose first token in the step is position 0 starts from zero.
+
+``PagedLayout.build(config, plan)`` turns a ``KVCacheConfig`` into the static facts the step needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Int
+
+from jaxkv.kv_cache_config import KVCacheConfig
+from jaxkv.slot_mapping import compute_circular_slot_mapping, compute_compressed_slot_mapping, compute_slot_mapping
+from models.glm5_next.config import Glm5NextConfig
+from models.glm5_next.model import Glm5NextForCausalLM, HyperConnection, _l2norm
+from pallas_kernels.cache_write import encode_entries, write_to_paged_cache
+from pallas_kernels.kpool import kpool_compress_and_write
+from pallas_kernels.paged_mqa_logits import paged_mqa_logits
+from pallas_kernels.sparse_mla_decode import sparse_mla_decode
+from pallas_kernels.topk_selection import select_topk_tokens
+
+__all__ = ["PagedLayout", "StepInputs", "paged_forward"]
+
+_HP = jax.lax.Precision.HIGHEST
+
+
+@functools.partial(jax.tree_util.register_dataclass)
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+  """One step's per-token inputs and every group's block table (fixed, bucketed shapes).
+
+  Attributes:
+    input_ids, positions, req_indices: int32 ``[T]`` (padding tokens: ``req_indices == -1``).
+    block_tables: per KV-cache group, int32 ``[max_num_reqs, width]`` manager block ids.
+    num_blocks: per group, int32 ``[max_num_reqs]``.
+  """
+
+  input_ids: Int[Array, "T"]
+  positions: Int[Array, "T"]
+  req_indices: Int[Array, "T"]
+  block_tables: tuple[Int[Array, "R W"], ...]
+  num_blocks: tuple[Int[Array, "R"], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _CacheRef:
+  tensor: str
+  group: int
+  page_offset: int
+  tokens_per_row: int
+  kernel_block_size: int | None
+  blocks_per_kernel_block: int
+  stride: int
+  base_row: int
+  states_per_page: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedLayout:
+  """Static facts of a plan, per layer: which tensor, group, offsets and kernel geometry."""
+
+  block_size: int
+  ring: int
+  kv_cache_dtype: str
+  indexer_cache_dtype: str
+  state_dtype: str
+  layers: tuple[tuple[str, _CacheRef], ...]
+
+  @classmethod
+  def build(cls, config: Glm5NextConfig, plan: KVCacheConfig, *, kv_cache_dtype: str, indexer_cache_dtype: str,
+            state_dtype: str) -> PagedLayout:
+    shapes = {t.name: t.shape_dtype() for t in plan.tensors}
+    refs = []
+    ring = 0
+    for b in plan.bindings:
+      ag = plan.attention_groups[b.attention_group_id]
+      view = ag.map_kv_cache_to_kernel_blocks(shapes[b.tensor], page_offset_bytes=b.page_offset_bytes)
+      spec = ag.kv_cache_spec
+      if b.layer_name.endswith("indexer_tail"):
+        ring = spec.block_size
+      refs.append((b.layer_name, _CacheRef(
+          tensor=b.tensor, group=b.kv_cache_group_id, page_offset=b.page_offset_bytes,
+          tokens_per_row=ag.kernel_block_size or spec.block_size, kernel_block_size=ag.kernel_block_size,
+          blocks_per_kernel_block=ag.blocks_per_kernel_block, stride=ag.stride, base_row=view.base_row,
+          states_per_page=ag.states_per_kernel_page)))
+    return cls(plan.block_size, ring, kv_cache_dtype, indexer_cache_dtype, state_dtype, tuple(refs))
+
+  def ref(self, name: str) -> _CacheRef:
+    return dict(self.layers)[name]
+
+
+def _kernel_table(ref: _CacheRef, table):
+  if ref.kernel_block_size is None:
+    return table
+  bpk = ref.blocks_per_kernel_block
+  return (table[:, :, None] * ref.stride + jnp.arange(bpk, dtype=jnp.int32)).reshape(table.shape[0], -1)
+
+
+def _kda_step(attn, x, caches, ref: _CacheRef, inputs: StepInputs, state_dtype: str):
+  """KDA over the flat batch: each request's state slot read, advanced token by token, written back."""
+  t = x.shape[0]
+  h, k, kw = attn.h, attn.k, attn.kw
+  c = h * k
+  rows = inputs.block_tables[ref.group][:, 0]  # [R] one state block per request
+  num_reqs = rows.shape[0]
+  arr = caches[ref.tensor]
+  sdt = jnp.dtype(state_dtype)
+  conv_bytes = (kw - 1) * 3 * c * sdt.itemsize
+  rec_bytes = h * k * k * 4
+  cols = ref.page_offset + jnp.arange(conv_bytes + rec_bytes)
+  raw = arr[rows[:, None], cols]  # [R, page]
+  conv = jax.lax.bitcast_convert_type(raw[:, :conv_bytes].reshape(num_reqs, 3, kw - 1, c, sdt.itemsize), sdt)
+  conv = jnp.concatenate([conv[:, 0], conv[:, 1], conv[:, 2]], axis=-1)  # [R, kw-1, 3C]
+  rec = jax.lax.bitcast_convert_type(raw[:, conv_bytes:].reshape(num_reqs, h, k, k, 4), jnp.float32)
+  # Requests with tokens in this step; one whose first token is position 0 starts from zero state
+  # (its block may be recycled and hold another request's bytes).
+  seen = jnp.where(inputs.req_indices >= 0, inputs.req_indices, num_reqs)
+  fresh = jnp.zeros((num_reqs,), bool).at[seen].set(True, mode="drop")
+  first_pos = jnp.full((num_reqs,), 2**30, jnp.int32).at[seen].min(inputs.positions, mode="drop")
+  starts_at_zero = fresh & (first_pos == 0)
+  conv = jnp.where(starts_at_zero[:, None, None], 0, conv).astype(x.dtype)
+  rec = jnp.where(starts_at_zero[:, None, None, None], 0.0, rec)
+
+  mixed = jnp.concatenate([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], axis=-1)  # [T, 3C]
+  g, beta = attn.gates(x)  # [T, H, K], [T, H]
+  taps = attn.conv_weights()
+
+  def step(carry, inp):
+    conv_s, rec_s = carry
+    r, m, gt, bt = inp
+    valid = r >= 0
+    rr = jnp.maximum(r, 0)
+    window = jnp.concatenate([conv_s[rr], m[None]], axis=0)  # [kw, 3C]
+    out = jax.nn.silu(jnp.sum(window.astype(jnp.float32) * taps, axis=0)).astype(x.dtype)
+    q, kk, v = (a.reshape(h, k).astype(jnp.float32) for a in jnp.split(out, 3))
+    q = _l2norm(q) * k ** -0.5
+    kk = _l2norm(kk)
+    s = rec_s[rr] * jnp.exp(gt)[..., None]
+    u = bt[:, None] * (v - jnp.einsum("hkv,hk->hv", s, kk, precision=_HP))
+    s = s + kk[..., None] * u[:, None, :]
+    o = jnp.einsum("hkv,hk->hv", s, q, precision=_HP)
+    conv_s = jnp.where(valid, conv_s.at[rr].set(window[1:]), conv_s)
+    rec_s = jnp.where(valid, rec_s.at[rr].set(s), rec_s)
+    return (conv_s, rec_s), o
+
+  (conv, rec), o = jax.lax.scan(step, (conv, rec), (inputs.req_indices, mixed, g, beta))
+  gate = attn.g_b_proj(attn.g_a_proj(x)).reshape(t, h, k).astype(jnp.float32)
+  o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + attn.eps)
+  o = o * attn.o_norm.weight[...].astype(jnp.float32) * jax.nn.sigmoid(gate)
+  y = attn.o_proj(o.astype(x.dtype).reshape(t, -1))
+  # Write back the slots of the requests that had tokens in this step.
+  conv_parts = jnp.split(conv.astype(sdt), 3, axis=-1)
+  new = jnp.concatenate([jax.lax.bitcast_convert_type(p, jnp.uint8).reshape(num_reqs, -1) for p in conv_parts]
+                        + [jax.lax.bitcast_convert_type(rec, jnp.uint8).reshape(num_reqs, -1)], axis=1)
+  dest = jnp.where(fresh, rows, arr.shape[0])
+  caches = {**caches, ref.tensor: arr.at[dest[:, None], cols].set(new, mode="drop")}
+  return y, caches
+
+
+def _dsa_step(attn, x, caches, layout: PagedLayout, name: str, inputs: StepInputs, prev_indices, config,
+              implementation):
+  """Sparse MLA over the paged latent cache with the pooled indexer; returns ``(y, caches, indices)``."""
+  t = x.shape[0]
+  mla, idx, tail = (layout.ref(f"{name}.{s}") for s in ("mla", "indexer", "indexer_tail"))
+  req, pos = inputs.req_indices, inputs.positions
+  table, counts = inputs.block_tables[mla.group], inputs.num_blocks[mla.group]
+  q_resid, c_kv = attn.latent(x[None])
+  q_resid, c_kv = q_resid[0], c_kv[0]
+  slots = compute_slot_mapping(table, counts, req, pos, block_size=layout.block_size)
+  caches = dict(caches)
+  caches[mla.tensor] = write_to_paged_cache(caches[mla.tensor], encode_entries(c_kv, layout.kv_cache_dtype), slots,
+                                            tokens_per_row=mla.tokens_per_row, page_offset_bytes=mla.page_offset,
+                                            implementation=implementation)
+  if attn.indexer is not None:
+    ind = attn.indexer
+    q, key, gate, w = ind.project(x[None], q_resid[None])
+    q, key, gate, w = q[0], key[0], gate[0], w[0]
+    kt = _kernel_table(idx, table)
+    cslots = compute_compressed_slot_mapping(kt, counts * idx.blocks_per_kernel_block, req, pos,
+                                             states_per_page=idx.states_per_page, compress_ratio=ind.kpool)
+    tail_slots = compute_circular_slot_mapping(inputs.block_tables[tail.group], req, pos, ring_size=layout.ring)
+    shared = idx.tensor == tail.tensor
+    cache, tail_arr = kpool_compress_and_write(
+        caches[idx.tensor], None if shared else caches[tail.tensor], key, gate,
+        ind.index_kpool_compress_ape[...].astype(jnp.float32), pos, req, tail_slots, cslots, kpool=ind.kpool,
+        ring=layout.ring, base_row=idx.base_row, states_per_page=idx.states_per_page,
+        cache_dtype=layout.indexer_cache_dtype, tail_page_offset_bytes=tail.page_offset, implementation=implementation)
+    caches[idx.tensor] = cache
+    if not shared:
+      caches[tail.tensor] = tail_arr
+    rows = jnp.maximum(req, 0)
+    q_in = q.astype(jnp.float32) if layout.indexer_cache_dtype == "float32" else q
+    # relu(c * s) = c * relu(s) for c > 0: the 1/sqrt(K) score scale folds into the head weights.
+    logits = paged_mqa_logits(q_in[:, None], caches[idx.tensor], w * ind.k ** -0.5, ((pos + 1) // ind.kpool)[:, None],
+                              kt[rows], base_row=idx.base_row, states_per_page=idx.states_per_page,
+                              cache_dtype=layout.indexer_cache_dtype, implementation=implementation)
+    indices = select_topk_tokens(logits, pos + 1, kpool=ind.kpool, index_topk=ind.topk)
+    indices = jnp.where((req >= 0)[:, None], indices, -1)
+  else:
+    indices = prev_indices
+  # Absorbed MLA: q~ = W_UK^T q per head, attention over the latent rows, then W_UV.
+  w_kvb = attn.kv_b_proj.weight[...].reshape(attn.h, attn.dk + attn.dv, -1)
+  q = attn.q_b_proj(q_resid).reshape(t, attn.h, attn.dk)
+  q_lat = jnp.einsum("thk,hkl->thl", q, w_kvb[:, : attn.dk].astype(q.dtype), precision=_HP)
+  o_lat = sparse_mla_decode(q_lat.astype(jnp.float32), caches[mla.tensor], indices, req, table,
+                            block_size=layout.block_size, tokens_per_row=mla.tokens_per_row,
+                            page_offset_bytes=mla.page_offset, cache_dtype=layout.kv_cache_dtype,
+                            sm_scale=attn.dk ** -0.5, implementation=implementation)
+  o = jnp.einsum("thl,hvl->thv", o_lat.astype(x.dtype), w_kvb[:, attn.dk:].astype(x.dtype), precision=_HP)
+  return attn.o_proj(o.reshape(t, -1)), caches, indices
+
+
+def paged_forward(model: Glm5NextForCausalLM, caches: dict[str, jax.Array], inputs: StepInputs, layout: PagedLayout,
+                  *, implementation: str = "xla"):
+  """One step: logits ``[T, V]`` of every token and the updated caches.
+
+  Args:
+    model: the Flax model.
+    caches: the plan's backing arrays (``KVCacheConfig.allocate``), updated functionally (donate
+      them to the jitted step to update in place).
+    inputs: the step's tokens and block tables.
+    layout: ``PagedLayout.build(config, plan, ...)``.
+    implementation: the kernels' switch, ``"pallas"`` or ``"xla"``.
+  """
+  config = model.config
+  x_e = model.embed_tokens[...][inputs.input_ids]
+  streams = jnp.broadcast_to(x_e[None, :, None], (1, x_e.shape[0], config.hc_mult, x_e.shape[-1]))
+  indices = None
+  for i, layer in enumerate(model.layers):
+    name = f"layers.{i}.self_attn"
+    post, comb, u = layer.attn_hc(streams)
+    x = layer.input_layernorm(u)[0]
+    if layer.kind == "linear_attention":
+      y, caches = _kda_step(layer.self_attn, x, caches, layout.ref(f"{name}.kda"), inputs, layout.state_dtype)
+    else:
+      y, caches, indices = _dsa_step(layer.self_attn, x, caches, layout, name, inputs, indices, config, implementation)
+    streams = HyperConnection.expand(post, comb, y[None], streams)
+    post, comb, u = layer.ffn_hc(streams)
+    z = layer.mlp(layer.post_attention_layernorm(u))
+    streams = HyperConnection.expand(post, comb, z, streams)
+  hidden = model.norm(jnp.mean(streams, axis=2))[0]
+  return model.logits(hidden), caches
