@@ -41,6 +41,9 @@ __all__ = [
 
 LAYOUTS = ("dense", "packed")
 _INT32_MAX = 2**31 - 1
+# Packed rows and layer offsets are multiples of this, so every layer's typed view (fp8, bf16,
+# fp32 rows of up to 128 channels) starts on a whole element row of the arena.
+_PACKED_ROW_ALIGNMENT = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,7 +224,8 @@ def plan_kv_cache(
     memory_bytes: budget for all caches.
     max_model_len: longest request; one request of that length must fit.
     layout: ``"dense"`` or ``"packed"``.
-    kernel_block_size: requested kernel block size for token groups (dense splits).
+    kernel_block_size: requested kernel block size for token caches (dense splits); compressed
+      caches always read their backend's own page size.
 
   Raises:
     ValueError: naming the values, for a kernel size that does not divide the block size, no
@@ -280,11 +284,9 @@ def plan_kv_cache(
       by_key.setdefault((l.backend, l.spec), []).append(l.name)
     for (backend, spec), lnames in by_key.items():
       layer_ag.update({n: len(attn_groups) for n in lnames})
-      attn_groups.append(
-          AttentionGroup.create(
-              backend, tuple(lnames), spec, g, kernel_block_size=None if spec.is_state else kernel_block_size
-          )
-      )
+      # The requested kernel size splits token caches; compressed caches keep their backend's pages.
+      split = kernel_block_size if not spec.is_state and spec.tokens_per_state == 1 else None
+      attn_groups.append(AttentionGroup.create(backend, tuple(lnames), spec, g, kernel_block_size=split))
   for ag in attn_groups:
     if ag.kernel_block_size and isinstance(ag.kv_cache_spec, AttentionSpec) and ag.kv_cache_spec.page_size_padded:
       raise ValueError(
@@ -308,11 +310,13 @@ def plan_kv_cache(
       ordered = sorted(members, key=lambda l: -l.spec.get_block_stride_alignment())
       off = 0
       for l in ordered:
-        off = -(-off // l.spec.get_block_stride_alignment()) * l.spec.get_block_stride_alignment()
+        align = math.lcm(l.spec.get_block_stride_alignment(), _PACKED_ROW_ALIGNMENT)
+        off = -(-off // align) * align
         offsets[l.name] = off
         off += l.spec.page_size_bytes
       used = max(used, off)
-    bytes_per_block = -(-used // stride_alignment) * stride_alignment
+    row_align = math.lcm(stride_alignment, _PACKED_ROW_ALIGNMENT)
+    bytes_per_block = -(-used // row_align) * row_align
   else:
     bytes_per_block = sum(l.spec.page_size_bytes for l in layers)
 

@@ -78,7 +78,7 @@ def _encode_pooled(x: Float[Array, "... D"], model_dtype, cache_dtype: str):
 
 
 def _kpool_kernel(slots_ref, keys_ref, gates_ref, ape_ref, cache_in_ref, cache_ref, *,
-                  base_row, states_per_page, cache_dtype):
+                  base_row, page_offset, states_per_page, cache_dtype):
   # slots_ref: [T]; keys_ref / gates_ref: [T, K, D] (the pool ending at each token);
   # ape_ref: [K, D]; cache_ref: [num_rows, page_bytes] kernel pages (aliases cache_in_ref).
   del cache_in_ref
@@ -92,9 +92,9 @@ def _kpool_kernel(slots_ref, keys_ref, gates_ref, ape_ref, cache_in_ref, cache_r
     row = base_row + slot // states_per_page
     entry = slot % states_per_page
     width = values.shape[-1]
-    cache_ref[row, pl.ds(entry * width, width)] = values
+    cache_ref[row, pl.ds(page_offset + entry * width, width)] = values
     if scale is not None:
-      cache_ref[row, pl.ds(states_per_page * width + entry * 4, 4)] = scale
+      cache_ref[row, pl.ds(page_offset + states_per_page * width + entry * 4, 4)] = scale
 
 
 def _pool_sources(tail, keys, gates, positions, req_indices, tail_slots, *, kpool, ring, tail_page_offset_bytes):
@@ -133,7 +133,7 @@ def _stash_slots(positions, req_indices, tail_slots, ring):
 
 
 def _validate(cache, tail, keys, gates, ape, positions, req_indices, tail_slots, compressed_slots, *,
-              kpool, ring, base_row, states_per_page, cache_dtype, tail_page_offset_bytes):
+              kpool, ring, base_row, states_per_page, cache_dtype, tail_page_offset_bytes, page_offset_bytes):
   t, d = keys.shape if keys.ndim == 2 else (None, None)
   if keys.ndim != 2 or gates.shape != keys.shape or gates.dtype != keys.dtype:
     raise ValueError(f"keys and gates must be [num_tokens, D] of one dtype, got {keys.dtype}{list(keys.shape)} "
@@ -147,9 +147,9 @@ def _validate(cache, tail, keys, gates, ape, positions, req_indices, tail_slots,
   if cache_dtype not in INDEXER_CACHE_DTYPES:
     raise ValueError(f"cache_dtype must be one of {INDEXER_CACHE_DTYPES}, got {cache_dtype!r}.")
   page = indexer_page_bytes(states_per_page, d, cache_dtype)
-  if cache.ndim != 2 or cache.dtype != jnp.uint8 or cache.shape[1] != page:
-    raise ValueError(f"cache must be uint8[num_pages, {page}] kernel pages ({states_per_page} entries of {d} "
-                     f"channels, {cache_dtype}), got {cache.dtype}{list(cache.shape)}.")
+  if cache.ndim != 2 or cache.dtype != jnp.uint8 or page_offset_bytes + page > cache.shape[1]:
+    raise ValueError(f"cache rows must hold a {page}-byte page ({states_per_page} entries of {d} channels, "
+                     f"{cache_dtype}) at byte {page_offset_bytes}, got {cache.dtype}{list(cache.shape)}.")
   if not 0 <= base_row < cache.shape[0]:
     raise ValueError(f"base_row {base_row} is outside the cache's {cache.shape[0]} pages.")
   if ring < kpool or ring % kpool:
@@ -163,7 +163,7 @@ def _validate(cache, tail, keys, gates, ape, positions, req_indices, tail_slots,
 @functools.partial(
     jax.jit,
     static_argnames=("kpool", "ring", "base_row", "states_per_page", "cache_dtype", "tail_page_offset_bytes",
-                     "implementation", "interpret"),
+                     "row_bytes", "page_offset_bytes", "implementation", "interpret"),
     donate_argnames=("cache", "tail"),
 )
 def kpool_compress_and_write(
@@ -183,15 +183,17 @@ def kpool_compress_and_write(
     states_per_page: int,
     cache_dtype: str = "fp8",
     tail_page_offset_bytes: int = 0,
+    row_bytes: int | None = None,
+    page_offset_bytes: int = 0,
     implementation: str = "pallas",
     interpret: bool | None = None,
 ):
   """Compresses completed pools into the indexer cache and stashes the step's tail tokens.
 
   Args:
-    cache: uint8 ``[num_rows, row_bytes]`` backing array of the indexer (the packed arena, or a
-      dense layer array of kernel pages); seen inside as kernel pages ``[-1, page_bytes]``
-      (``KernelPagedView``). Donated.
+    cache: uint8 backing array of the indexer (the packed arena, or a dense layer array of kernel
+      pages), seen inside as the ``KernelPagedView`` rows ``[-1, row_bytes]`` (default: one kernel
+      page per row): kernel block ``k`` is row ``base_row + k`` at byte ``page_offset_bytes``. Donated.
     tail: uint8 ``[num_blocks, row_bytes]`` holding the tail ring pages, or None when the ring
       lives in ``cache`` itself (packed layout: one arena). Donated.
     keys, gates: ``[num_tokens, D]`` raw indexer key (after its LayerNorm) and gate, model dtype.
@@ -203,6 +205,7 @@ def kpool_compress_and_write(
     base_row, states_per_page: the indexer's ``KernelPagedView.base_row`` and entries per page.
     cache_dtype: ``"fp8"`` (with scales), ``"bfloat16"`` or ``"float32"``.
     tail_page_offset_bytes: the ring page's offset inside each row of its array.
+    row_bytes, page_offset_bytes: ``KernelPagedView.rows.shape[1]`` and ``.offset_bytes``.
 
   Returns:
     ``(cache, tail)`` updated (``tail`` is None when it lives in ``cache``).
@@ -212,23 +215,26 @@ def kpool_compress_and_write(
   tail_rows = cache if shared else tail
   d = keys.shape[-1] if keys.ndim == 2 else 0
   page = indexer_page_bytes(states_per_page, d, cache_dtype) if cache_dtype in INDEXER_CACHE_DTYPES else 0
-  if cache.ndim != 2 or cache.dtype != jnp.uint8 or not page or cache.shape[1] % page:
-    raise ValueError(f"cache must be uint8[num_rows, row_bytes] with rows of whole {page}-byte kernel pages "
+  rb = row_bytes or page
+  if cache.ndim != 2 or cache.dtype != jnp.uint8 or not rb or cache.shape[1] % rb:
+    raise ValueError(f"cache must be uint8[num_rows, row_bytes] with rows of whole {rb}-byte view rows "
                      f"({states_per_page} entries of {d} channels, {cache_dtype}), got {cache.dtype}{list(cache.shape)}.")
-  pages = cache.reshape(-1, page)
+  pages = cache.reshape(-1, rb)
   _validate(pages, tail_rows, keys, gates, ape, positions, req_indices, tail_slots, compressed_slots, kpool=kpool,
             ring=ring, base_row=base_row, states_per_page=states_per_page, cache_dtype=cache_dtype,
-            tail_page_offset_bytes=tail_page_offset_bytes)
+            tail_page_offset_bytes=tail_page_offset_bytes, page_offset_bytes=page_offset_bytes)
   # Read the pools' earlier tokens from the ring before this step overwrites it.
   pool_k, pool_g = _pool_sources(tail_rows, keys, gates, positions, req_indices, tail_slots, kpool=kpool, ring=ring,
                                  tail_page_offset_bytes=tail_page_offset_bytes)
   if implementation == "xla":
     pages = _write_pools_reference(pages, pool_k, pool_g, ape, compressed_slots, base_row=base_row,
-                                   states_per_page=states_per_page, cache_dtype=cache_dtype)
+                                   page_offset=page_offset_bytes, states_per_page=states_per_page,
+                                   cache_dtype=cache_dtype)
   else:
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     pages = pl.pallas_call(
-        functools.partial(_kpool_kernel, base_row=base_row, states_per_page=states_per_page, cache_dtype=cache_dtype),
+        functools.partial(_kpool_kernel, base_row=base_row, page_offset=page_offset_bytes,
+                          states_per_page=states_per_page, cache_dtype=cache_dtype),
         out_shape=jax.ShapeDtypeStruct(pages.shape, pages.dtype),
         grid=(keys.shape[0],),
         in_specs=[any_spec] * 5,
@@ -249,16 +255,17 @@ def kpool_compress_and_write(
   return (tail_rows, None) if shared else (cache, tail_rows)
 
 
-def _write_pools_reference(cache, pool_k, pool_g, ape, slots, *, base_row, states_per_page, cache_dtype):
+def _write_pools_reference(cache, pool_k, pool_g, ape, slots, *, base_row, page_offset, states_per_page, cache_dtype):
   pooled = combine_pool(pool_k, pool_g, ape)
   values, scale = _encode_pooled(pooled, pool_k.dtype, cache_dtype)
   valid = slots >= 0
   rows = jnp.where(valid, base_row + slots // states_per_page, cache.shape[0])
   entry = (slots % states_per_page)[:, None]
   width = values.shape[-1]
-  cache = cache.at[rows[:, None], entry * width + jnp.arange(width)].set(values, mode="drop")
+  cache = cache.at[rows[:, None], page_offset + entry * width + jnp.arange(width)].set(values, mode="drop")
   if scale is not None:
-    cache = cache.at[rows[:, None], states_per_page * width + entry * 4 + jnp.arange(4)].set(scale, mode="drop")
+    cache = cache.at[rows[:, None], page_offset + states_per_page * width + entry * 4 + jnp.arange(4)].set(
+        scale, mode="drop")
   return cache
 
 
@@ -270,9 +277,10 @@ def kpool_compress_and_write_reference(cache, tail, keys, gates, ape, positions,
 
 
 def read_indexer_entries(pages: UInt8[Array, "N Pb"], page_ids: Int[Array, "..."], *, states_per_page: int,
-                         head_dim: int, cache_dtype: str) -> tuple[jax.Array, jax.Array]:
+                         head_dim: int, cache_dtype: str, page_offset_bytes: int = 0) -> tuple[jax.Array, jax.Array]:
   """Entries of whole pages ``[..., P, D]`` (float32 values as stored) and their scales ``[..., P]``."""
-  rows = pages[page_ids]
+  page = indexer_page_bytes(states_per_page, head_dim, cache_dtype)
+  rows = pages[page_ids][..., page_offset_bytes:page_offset_bytes + page]
   p, d = states_per_page, head_dim
   if cache_dtype == "fp8":
     values = jax.lax.bitcast_convert_type(rows[..., : p * d], FP8_DTYPE).astype(jnp.float32)

@@ -28,10 +28,11 @@ __all__ = ["paged_mqa_logits", "paged_mqa_logits_reference"]
 
 
 def _paged_mqa_logits_kernel(q_ref, w_ref, ctx_ref, kt_ref, values_ref, scales_ref, out_ref, *,
-                             base_row, states_per_page, head_dim, next_n, pages_per_program):
+                             base_row, entry_row, scale_word, states_per_page, head_dim, next_n, pages_per_program):
   # q_ref: [B, next_n, H, D]; w_ref: [B * next_n, H]; ctx_ref: [B, next_n]; kt_ref: [B, num_pages];
-  # values_ref: [rows, page_bytes // D, D] pages as values (the first P of dim 1 are entries);
-  # scales_ref: [rows, page_bytes // 4] f32 or None; out_ref: [B * next_n, num_pages * P].
+  # values_ref: [rows, row_bytes // D, D] as values (a page's P entries start at entry_row);
+  # scales_ref: [rows, row_bytes // 4] f32 (a page's scales start at scale_word) or None;
+  # out_ref: [B * next_n, num_pages * P].
   b = pl.program_id(0)
   chunk = pl.program_id(1)
   p, d = states_per_page, head_dim
@@ -53,8 +54,8 @@ def _paged_mqa_logits_kernel(q_ref, w_ref, ctx_ref, kt_ref, values_ref, scales_r
     @pl.when(col < max_ctx)
     def _():
       row = base_row + kt_ref[b, page]
-      k = values_ref[row, pl.ds(0, p), :].astype(dot_dtype)  # [P, D]
-      scale = scales_ref[row, pl.ds(p * d // 4, p)] if scales_ref is not None else None
+      k = values_ref[row, pl.ds(entry_row, p), :].astype(dot_dtype)  # [P, D]
+      scale = scales_ref[row, pl.ds(scale_word, p)] if scales_ref is not None else None
       for n in range(next_n):
         s = jnp.dot(qs[n], k.T, precision=precision, preferred_element_type=jnp.float32)  # [H, P]
         logit = jnp.sum(jnp.maximum(s, 0.0) * ws[n][:, None], axis=0)
@@ -73,7 +74,8 @@ def _paged_mqa_logits_kernel(q_ref, w_ref, ctx_ref, kt_ref, values_ref, scales_r
   jax.lax.fori_loop(0, pages_per_program, body, 0)
 
 
-def _validate(q, pages, weights, context_lens, kernel_block_table, base_row, states_per_page, cache_dtype):
+def _validate(q, pages, weights, context_lens, kernel_block_table, base_row, states_per_page, cache_dtype, row_bytes,
+              page_offset_bytes):
   if q.ndim != 4:
     raise ValueError(f"q must be [batch, next_n, heads, head_dim], got {list(q.shape)}.")
   b, next_n, h, d = q.shape
@@ -87,17 +89,21 @@ def _validate(q, pages, weights, context_lens, kernel_block_table, base_row, sta
   if cache_dtype not in INDEXER_CACHE_DTYPES:
     raise ValueError(f"cache_dtype must be one of {INDEXER_CACHE_DTYPES}, got {cache_dtype!r}.")
   page = indexer_page_bytes(states_per_page, d, cache_dtype)
-  if pages.ndim != 2 or pages.dtype != jnp.uint8 or pages.shape[1] % page:
-    raise ValueError(f"pages must be uint8[num_rows, row_bytes] of whole {page}-byte pages ({states_per_page} "
-                     f"entries of {d} {cache_dtype} channels), got {pages.dtype}{list(pages.shape)}.")
-  if not 0 <= base_row < pages.shape[0] * pages.shape[1] // page:
-    raise ValueError(f"base_row {base_row} is outside the {pages.shape[0] * pages.shape[1] // page} kernel pages.")
+  rb = row_bytes or page
+  elem = d * (1 if cache_dtype == "fp8" else jnp.dtype(cache_dtype).itemsize)
+  if (pages.ndim != 2 or pages.dtype != jnp.uint8 or pages.shape[1] % rb or rb % elem or page_offset_bytes % elem
+      or page_offset_bytes + page > rb):
+    raise ValueError(f"pages must be uint8[num_rows, row_bytes] of whole {rb}-byte view rows holding a {page}-byte "
+                     f"page ({states_per_page} entries of {d} {cache_dtype} channels) at byte {page_offset_bytes}, "
+                     f"rows and offset multiples of {elem} bytes; got {pages.dtype}{list(pages.shape)}.")
+  if not 0 <= base_row < pages.shape[0] * pages.shape[1] // rb:
+    raise ValueError(f"base_row {base_row} is outside the {pages.shape[0] * pages.shape[1] // rb} view rows.")
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("base_row", "states_per_page", "cache_dtype", "pages_per_program", "num_warps", "num_stages",
-                     "implementation", "interpret"),
+    static_argnames=("base_row", "states_per_page", "cache_dtype", "row_bytes", "page_offset_bytes",
+                     "pages_per_program", "num_warps", "num_stages", "implementation", "interpret"),
 )
 def paged_mqa_logits(
     q: Float[Array, "B N H D"],
@@ -109,6 +115,8 @@ def paged_mqa_logits(
     base_row: int = 0,
     states_per_page: int,
     cache_dtype: str = "fp8",
+    row_bytes: int | None = None,
+    page_offset_bytes: int = 0,
     pages_per_program: int = 8,
     num_warps: int | None = 2,
     num_stages: int | None = 3,
@@ -128,13 +136,17 @@ def paged_mqa_logits(
     base_row: the layer's first kernel page in ``pages`` (``KernelPagedView.base_row``).
     states_per_page: P, entries per kernel page (32 or 64).
     cache_dtype: ``"fp8"``, ``"bfloat16"`` or ``"float32"``.
+    row_bytes, page_offset_bytes: the ``KernelPagedView`` row length (default: one page) and the
+      page's offset in it (an unsplit layer of a packed arena).
     pages_per_program, num_warps, num_stages: tuning (``benchmarks/kernels.py`` sweeps them).
   """
   check_implementation(implementation)
-  _validate(q, pages, weights, context_lens, kernel_block_table, base_row, states_per_page, cache_dtype)
+  _validate(q, pages, weights, context_lens, kernel_block_table, base_row, states_per_page, cache_dtype, row_bytes,
+            page_offset_bytes)
   if implementation == "xla":
     return paged_mqa_logits_reference(q, pages, weights, context_lens, kernel_block_table, base_row=base_row,
-                                      states_per_page=states_per_page, cache_dtype=cache_dtype)
+                                      states_per_page=states_per_page, cache_dtype=cache_dtype, row_bytes=row_bytes,
+                                      page_offset_bytes=page_offset_bytes)
   b, next_n, h, d = q.shape
   p = states_per_page
   # Zero heads (zero weights) up to Triton's smallest dot tile: no effect on the sum.
@@ -142,8 +154,7 @@ def paged_mqa_logits(
   if hp != h:
     q = jnp.pad(q, ((0, 0), (0, 0), (0, hp - h), (0, 0)))
     weights = jnp.pad(weights, ((0, 0), (0, hp - h)))
-  page_bytes = indexer_page_bytes(p, d, cache_dtype)
-  rows = pages.reshape(-1, page_bytes)
+  rows = pages.reshape(-1, row_bytes or indexer_page_bytes(p, d, cache_dtype))
   # Free typed views of the same bytes (no copy inside jit): values as [rows, page_bytes / D, D], so
   # a page's P entries are one 2-D block; fp8 scales as float32 words.
   if cache_dtype == "fp8":
@@ -158,7 +169,9 @@ def paged_mqa_logits(
   num_chunks = -(-num_pages // ppp)
   if num_chunks * ppp != num_pages:  # whole chunks: pad the table with null pages (masked anyway)
     kernel_block_table = jnp.pad(kernel_block_table, ((0, 0), (0, num_chunks * ppp - num_pages)))
-  kernel = functools.partial(_paged_mqa_logits_kernel, base_row=base_row, states_per_page=p, head_dim=d,
+  elem = d * (1 if cache_dtype == "fp8" else jnp.dtype(cache_dtype).itemsize)
+  kernel = functools.partial(_paged_mqa_logits_kernel, base_row=base_row, entry_row=page_offset_bytes // elem,
+                             scale_word=(page_offset_bytes + p * d) // 4, states_per_page=p, head_dim=d,
                              next_n=next_n, pages_per_program=ppp)
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   operands = [q, weights, context_lens, kernel_block_table, values] + ([scales] if scales is not None else [])
@@ -182,14 +195,15 @@ def _no_scales(kernel, q_ref, w_ref, ctx_ref, kt_ref, values_ref, out_ref):
 
 
 def paged_mqa_logits_reference(q, pages, weights, context_lens, kernel_block_table, *, base_row: int = 0,
-                               states_per_page: int, cache_dtype: str = "fp8"):
+                               states_per_page: int, cache_dtype: str = "fp8", row_bytes: int | None = None,
+                               page_offset_bytes: int = 0):
   """Plain jnp: gather the pages, einsum, ReLU, head-weighted sum, scale, mask."""
   b, next_n, h, d = q.shape
   p = states_per_page
-  rows = pages.reshape(-1, indexer_page_bytes(p, d, cache_dtype))
+  rows = pages.reshape(-1, row_bytes or indexer_page_bytes(p, d, cache_dtype))
   m = kernel_block_table.shape[1]
   vals, scales = read_indexer_entries(rows, base_row + kernel_block_table, states_per_page=p, head_dim=d,
-                                      cache_dtype=cache_dtype)  # [B, M, P, D], [B, M, P]
+                                      cache_dtype=cache_dtype, page_offset_bytes=page_offset_bytes)  # [B,M,P,D], [B,M,P]
   s = jnp.einsum("bnhd,bmpd->bnhmp", q.astype(jnp.float32), vals, precision=jax.lax.Precision.HIGHEST,
                  preferred_element_type=jnp.float32)
   w = weights.reshape(b, next_n, h)

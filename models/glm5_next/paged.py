@@ -68,6 +68,8 @@ class _CacheRef:
   blocks_per_kernel_block: int
   stride: int
   base_row: int
+  row_bytes: int  # KernelPagedView row length
+  view_offset: int  # KernelPagedView.offset_bytes
   states_per_page: int
 
 
@@ -98,7 +100,7 @@ class PagedLayout:
           tensor=b.tensor, group=b.kv_cache_group_id, page_offset=b.page_offset_bytes,
           tokens_per_row=ag.kernel_block_size or spec.block_size, kernel_block_size=ag.kernel_block_size,
           blocks_per_kernel_block=ag.blocks_per_kernel_block, stride=ag.stride, base_row=view.base_row,
-          states_per_page=ag.states_per_kernel_page)))
+          row_bytes=view.rows.shape[1], view_offset=view.offset_bytes, states_per_page=ag.states_per_kernel_page)))
     return cls(plan.block_size, ring, kv_cache_dtype, indexer_cache_dtype, state_dtype, tuple(refs))
 
   def ref(self, name: str) -> _CacheRef:
@@ -200,7 +202,8 @@ def _dsa_step(attn, x, caches, layout: PagedLayout, name: str, inputs: StepInput
         caches[idx.tensor], None if shared else caches[tail.tensor], key, gate,
         ind.index_kpool_compress_ape[...].astype(jnp.float32), pos, req, tail_slots, cslots, kpool=ind.kpool,
         ring=layout.ring, base_row=idx.base_row, states_per_page=idx.states_per_page,
-        cache_dtype=layout.indexer_cache_dtype, tail_page_offset_bytes=tail.page_offset, implementation=implementation)
+        cache_dtype=layout.indexer_cache_dtype, tail_page_offset_bytes=tail.page_offset, row_bytes=idx.row_bytes,
+        page_offset_bytes=idx.view_offset, implementation=implementation)
     caches[idx.tensor] = cache
     if not shared:
       caches[tail.tensor] = tail_arr
@@ -209,7 +212,8 @@ def _dsa_step(attn, x, caches, layout: PagedLayout, name: str, inputs: StepInput
     # relu(c * s) = c * relu(s) for c > 0: the 1/sqrt(K) score scale folds into the head weights.
     logits = paged_mqa_logits(q_in[:, None], caches[idx.tensor], w * ind.k ** -0.5, ((pos + 1) // ind.kpool)[:, None],
                               kt[rows], base_row=idx.base_row, states_per_page=idx.states_per_page,
-                              cache_dtype=layout.indexer_cache_dtype, implementation=implementation)
+                              cache_dtype=layout.indexer_cache_dtype, row_bytes=idx.row_bytes,
+                              page_offset_bytes=idx.view_offset, implementation=implementation)
     indices = select_topk_tokens(logits, pos + 1, kpool=ind.kpool, index_topk=ind.topk)
     indices = jnp.where((req >= 0)[:, None], indices, -1)
   else:
@@ -227,8 +231,8 @@ def _dsa_step(attn, x, caches, layout: PagedLayout, name: str, inputs: StepInput
 
 
 def paged_forward(model: Glm5NextForCausalLM, caches: dict[str, jax.Array], inputs: StepInputs, layout: PagedLayout,
-                  *, implementation: str = "xla"):
-  """One step: logits ``[T, V]`` of every token and the updated caches.
+                  *, implementation: str = "xla", logits_indices: Int[Array, "S"] | None = None):
+  """One step: logits ``[T, V]`` of every token (or ``[S, V]`` of ``logits_indices``) and the caches.
 
   Args:
     model: the Flax model.
@@ -237,6 +241,8 @@ def paged_forward(model: Glm5NextForCausalLM, caches: dict[str, jax.Array], inpu
     inputs: the step's tokens and block tables.
     layout: ``PagedLayout.build(config, plan, ...)``.
     implementation: the kernels' switch, ``"pallas"`` or ``"xla"``.
+    logits_indices: the tokens whose logits are needed (each sampling request's last token);
+      the head then runs on those rows only.
   """
   config = model.config
   x_e = model.embed_tokens[...][inputs.input_ids]
@@ -255,4 +261,6 @@ def paged_forward(model: Glm5NextForCausalLM, caches: dict[str, jax.Array], inpu
     z = layer.mlp(layer.post_attention_layernorm(u))
     streams = HyperConnection.expand(post, comb, z, streams)
   hidden = model.norm(jnp.mean(streams, axis=2))[0]
+  if logits_indices is not None:
+    hidden = hidden[jnp.maximum(logits_indices, 0)]
   return model.logits(hidden), caches

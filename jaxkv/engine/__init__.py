@@ -1,0 +1,19 @@
+"""The decode engine: continuous batching, chunked prefill, preemption, sampling, jitted steps."""
+
+from jaxkv.engine.engine import EngineConfig, LLMEngine
+from jaxkv.engine.request import MAX_LOGPROBS, Request, RequestOutput, RequestStatus, SamplingParams
+from jaxkv.engine.sampler import sample
+from jaxkv.engine.scheduler import ScheduledChunk, Scheduler
+
+__all__ = [
+    "EngineConfig",
+    "LLMEngine",
+    "MAX_LOGPROBS",
+    "Request",
+    "RequestOutput",
+    "RequestStatus",
+    "SamplingParams",
+    "ScheduledChunk",
+    "Scheduler",
+    "sample",
+]

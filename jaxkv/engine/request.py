@@ -1,0 +1,85 @@
+"""Requests, sampling parameters and outputs of the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+__all__ = ["SamplingParams", "Request", "RequestStatus", "RequestOutput", "MAX_LOGPROBS"]
+
+MAX_LOGPROBS = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """How a request samples.
+
+  Attributes:
+    max_new_tokens: tokens to generate at most.
+    temperature: 0 for greedy.
+    top_p: nucleus sampling mass (1.0: off).
+    seed: per-request seed; the token at output index ``i`` uses ``fold_in(key(seed), i)``, so
+      results do not depend on batch composition.
+    stop_token_ids: generation ends after emitting one of these.
+    logprobs: top-k log-probabilities to return per generated token (0 to 20).
+  """
+
+  max_new_tokens: int = 16
+  temperature: float = 0.0
+  top_p: float = 1.0
+  seed: int = 0
+  stop_token_ids: tuple[int, ...] = ()
+  logprobs: int = 0
+
+  def __post_init__(self):
+    if self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
+    if self.temperature < 0:
+      raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+    if not 0 <= self.logprobs <= MAX_LOGPROBS:
+      raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.")
+
+
+class RequestStatus(enum.Enum):
+  WAITING = enum.auto()
+  RUNNING = enum.auto()
+  FINISHED = enum.auto()
+  ABORTED = enum.auto()
+
+
+@dataclasses.dataclass
+class Request:
+  """Host-side state of one request."""
+
+  request_id: str
+  prompt_token_ids: list[int]
+  sampling: SamplingParams
+  arrival: int
+  output_token_ids: list[int] = dataclasses.field(default_factory=list)
+  output_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+  num_computed_tokens: int = 0
+  status: RequestStatus = RequestStatus.WAITING
+  row: int = -1  # block-table row while running
+  num_preemptions: int = 0
+  finish_reason: str | None = None
+
+  @property
+  def all_token_ids(self) -> list[int]:
+    return self.prompt_token_ids + self.output_token_ids
+
+  @property
+  def num_tokens(self) -> int:
+    return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+  """What a step streams for one request: its new tokens (and logprobs) and whether it finished."""
+
+  request_id: str
+  new_token_ids: list[int]
+  new_logprobs: list[list[tuple[int, float]]]
+  finished: bool
+  finish_reason: str | None = None

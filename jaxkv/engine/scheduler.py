@@ -1,0 +1,125 @@
+"""Continuous batching with chunked prefill and preemption by recompute (host side, NumPy-free).
+
+Each step spends a token budget: running requests first (decode tokens, or the next chunk of a
+prefill), then waiting requests in arrival order while budget, table rows and blocks last. When
+the pool cannot supply a running request's blocks, the most recently arrived running request is
+preempted: its blocks (every group: latents, pooled keys, tail ring, KDA slots) go back to the pool
+and it re-enters the queue to recompute its prompt and outputs so far. Nothing accepted is lost.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from jaxkv.block_table import MultiGroupBlockTable
+from jaxkv.engine.request import Request, RequestStatus
+from jaxkv.kv_cache_manager import KVCacheManager
+
+__all__ = ["Scheduler", "ScheduledChunk"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledChunk:
+  request: Request
+  start: int  # first position computed this step
+  num_tokens: int
+
+  @property
+  def samples(self) -> bool:
+    """The chunk reaches the request's last token, whose logits pick the next one."""
+    return self.start + self.num_tokens == self.request.num_tokens
+
+
+class Scheduler:
+
+  def __init__(self, kv_manager: KVCacheManager, block_tables: MultiGroupBlockTable, *, max_num_reqs: int,
+               max_num_batched_tokens: int):
+    self.kv = kv_manager
+    self.tables = block_tables
+    self.max_num_reqs = max_num_reqs
+    self.budget = max_num_batched_tokens
+    self.waiting: collections.deque[Request] = collections.deque()
+    self.running: list[Request] = []
+    self.free_rows = list(range(max_num_reqs - 1, -1, -1))
+    self.num_preemptions = 0
+
+  def add(self, request: Request) -> None:
+    self.waiting.append(request)
+
+  def has_work(self) -> bool:
+    return bool(self.waiting or self.running)
+
+  def finish(self, request: Request, status: RequestStatus, reason: str | None = None) -> None:
+    """Ends a running or waiting request and releases its blocks and row."""
+    if request in self.running:
+      self.running.remove(request)
+    elif request in self.waiting:
+      self.waiting.remove(request)
+    self._release(request)
+    request.status = status
+    request.finish_reason = reason
+
+  def _release(self, request: Request) -> None:
+    self.kv.free(request.request_id)
+    if request.row >= 0:
+      self.tables.clear_row(request.row)
+      self.free_rows.append(request.row)
+      request.row = -1
+
+  def _preempt(self, request: Request) -> None:
+    self.running.remove(request)
+    self._release(request)
+    request.num_computed_tokens = 0
+    request.status = RequestStatus.WAITING
+    request.num_preemptions += 1
+    self.num_preemptions += 1
+    self.waiting.appendleft(request)
+
+  def _allocate(self, request: Request, n: int) -> bool:
+    new = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n,
+                                 num_computed_tokens=request.num_computed_tokens)
+    if new is None:
+      return False
+    self.tables.append_row(new, request.row)
+    return True
+
+  def schedule(self) -> list[ScheduledChunk]:
+    budget = self.budget
+    chunks: list[ScheduledChunk] = []
+    for request in list(self.running):
+      if budget == 0:
+        break
+      if request not in self.running:  # preempted below by an earlier request
+        continue
+      n = min(request.num_tokens - request.num_computed_tokens, budget)
+      while not self._allocate(request, n):
+        # The latest arrival not already scheduled this step gives its blocks back.
+        scheduled = {id(c.request) for c in chunks}
+        victim = max((r for r in self.running if id(r) not in scheduled), key=lambda r: r.arrival)
+        self._preempt(victim)
+        if victim is request:
+          break
+      else:
+        chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
+        budget -= n
+    while self.waiting and budget > 0 and self.free_rows:
+      request = self.waiting[0]
+      n = min(request.num_tokens - request.num_computed_tokens, budget)
+      request.row = self.free_rows.pop()
+      if not self._allocate(request, n):
+        self.free_rows.append(request.row)
+        request.row = -1
+        if not self.running and not chunks:
+          raise RuntimeError(
+              f"request {request.request_id} needs more KV-cache blocks than the pool has "
+              f"({self.kv.num_free_blocks} free); raise the memory budget or lower max_model_len.")
+        break
+      self.waiting.popleft()
+      request.status = RequestStatus.RUNNING
+      self.running.append(request)
+      chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
+      budget -= n
+    for c in chunks:
+      c.request.num_computed_tokens += c.num_tokens
+    return chunks
