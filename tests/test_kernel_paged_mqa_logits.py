@@ -70,6 +70,32 @@ def test_validation_names_shapes():
   with pytest.raises(ValueError, match=r"weights must be float32\[2, 4\]"):
     paged_mqa_logits(q, jnp.zeros((4, 64 * 20), jnp.uint8), jnp.zeros((2, 3), jnp.float32),
                      jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 2), jnp.int32), states_per_page=64)
-  with pytest.raises(ValueError, match="whole 1280-byte pages"):
+  with pytest.raises(ValueError, match="whole 1280-byte view rows"):
     paged_mqa_logits(q, jnp.zeros((4, 1000), jnp.uint8), jnp.zeros((2, 4), jnp.float32),
                      jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 2), jnp.int32), states_per_page=64)
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "float32"])
+def test_unsplit_layer_of_a_packed_row(cache_dtype):
+  """A layer whose page is one kernel page, at an offset inside rows that hold other layers too."""
+  rng = np.random.default_rng(11)
+  b, h, d, p, blocks = 2, 4, 16, 32, 6
+  raw, exact = make_pages(rng, blocks, p, d, cache_dtype)
+  page = raw.shape[1]
+  offset = 512
+  width = -(-(offset + page) // 512) * 512 + 512  # other layers' bytes before and after
+  rows = rng.integers(0, 256, (blocks, width), dtype=np.uint8)
+  rows[:, offset:offset + page] = raw
+  table = np.array([[3], [5]], np.int32)
+  ctx = np.array([[p], [p - 7]], np.int32)
+  q = jnp.asarray(rng.standard_normal((b, 1, h, d)).astype(np.float32))
+  w = jnp.asarray(rng.standard_normal((b, h)).astype(np.float32))
+  kw = dict(states_per_page=p, cache_dtype=cache_dtype, row_bytes=rows.shape[1], page_offset_bytes=offset)
+  got = {impl: np.asarray(paged_mqa_logits(q, jnp.asarray(rows), w, jnp.asarray(ctx), jnp.asarray(table), **kw,
+                                           implementation=impl)) for impl in ("pallas", "xla")}
+  for i in range(b):
+    k = exact[table[i, 0]].astype(np.float64)
+    want = (np.maximum(np.asarray(q[i, 0], np.float64) @ k.T, 0) * np.asarray(w[i], np.float64)[:, None]).sum(0)
+    for out in got.values():
+      np.testing.assert_allclose(out[i, : ctx[i, 0]], want[: ctx[i, 0]], rtol=2e-2, atol=2e-2 * np.abs(want).max())
+      assert np.isneginf(out[i, ctx[i, 0]:]).all()
