@@ -39,6 +39,7 @@ class EngineConfig:
     max_num_reqs: request rows per step; max_num_batched_tokens: token budget per step.
     kv_cache_dtype, indexer_cache_dtype, state_dtype: cache precisions.
     implementation: kernels, ``"pallas"`` or ``"xla"``.
+    buckets: step token counts compiled for (default: powers of two up to the budget).
   """
 
   block_size: int = 256
@@ -52,10 +53,16 @@ class EngineConfig:
   indexer_cache_dtype: str = "float32"
   state_dtype: str = "float32"
   implementation: str = "xla"
+  buckets: tuple[int, ...] | None = None
 
   @property
   def token_buckets(self) -> tuple[int, ...]:
-    """Powers of two from 8 up to the token budget (which is always a bucket)."""
+    """``buckets``, or powers of two from 8 up to the token budget (always the last bucket)."""
+    if self.buckets is not None:
+      if max(self.buckets) < self.max_num_batched_tokens:
+        raise ValueError(f"token buckets {self.buckets} must reach max_num_batched_tokens "
+                         f"{self.max_num_batched_tokens}.")
+      return tuple(sorted(self.buckets))
     b = [x for x in (2**i for i in range(3, 20)) if x < self.max_num_batched_tokens]
     return tuple(b) + (self.max_num_batched_tokens,)
 
