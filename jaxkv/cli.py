@@ -99,6 +99,149 @@ def cmd_inspect(args) -> int:
   return 0
 
 
+def _load_model(args):
+  """(config, model): a checkpoint, or a built-in config with seeded random weights."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from models.glm5_next import Glm5NextForCausalLM, get_config, load_checkpoint
+
+  if args.model_path:
+    return load_checkpoint(args.model_path, dtype=jnp.float32 if args.dtype == "float32" else jnp.bfloat16)
+  config = get_config(args.config or "glm-5.3-flash-tiny")
+  dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
+  return config, Glm5NextForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(args.seed))
+
+
+def _engine_config(args, max_len):
+  from jaxkv.engine import EngineConfig
+
+  return EngineConfig(
+      block_size=args.block_size, kernel_block_size=args.kernel_block_size, layout=args.layout,
+      memory_bytes=int(args.memory_gib * 2**30), max_model_len=max_len, max_num_reqs=args.max_num_reqs,
+      max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
+      indexer_cache_dtype=args.indexer_cache_dtype, state_dtype=args.dtype, implementation=args.implementation)
+
+
+def _prompts(args, config) -> list[list[int]]:
+  import pathlib
+
+  if args.prompt is not None:
+    tok = pathlib.Path(args.model_path or "") / "tokenizer.json"
+    if not args.model_path or not tok.is_file():
+      raise ValueError("--prompt needs a --model-path with a tokenizer.json; pass --prompt-ids 1,2,3 instead.")
+    try:
+      from tokenizers import Tokenizer  # parses tokenizer.json; executes nothing
+    except ImportError as e:
+      raise ValueError("--prompt needs the tokenizers package (pip install tokenizers), or pass --prompt-ids.") from e
+    prompts = [Tokenizer.from_file(str(tok)).encode(args.prompt).ids]
+  elif args.batch_file:
+    data = json.loads(pathlib.Path(args.batch_file).read_text())
+    if not isinstance(data, list) or not all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in data):
+      raise ValueError(f"{args.batch_file} must be a JSON list of token-id lists, e.g. [[1, 2, 3], [4, 5]].")
+    prompts = data
+  else:
+    ids = args.prompt_ids or "1,2,3,4,5,6,7,8,9,10,11,12,13"
+    try:
+      prompts = [[int(t) for t in ids.split(",") if t.strip()]]
+    except ValueError as e:
+      raise ValueError(f"--prompt-ids must be comma-separated integers, got {ids!r}.") from e
+  if not args.batch_file:
+    prompts = prompts * args.batch
+  return prompts
+
+
+def cmd_generate(args) -> int:
+  from jaxkv.engine import LLMEngine, SamplingParams
+
+  config, model = _load_model(args)
+  prompts = _prompts(args, config)
+  max_len = args.max_model_len or min(config.max_position_embeddings,
+                                      max(len(p) for p in prompts) + args.max_new_tokens)
+  engine = LLMEngine(model, _engine_config(args, max_len))
+  sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed, logprobs=args.logprobs,
+                            stop_token_ids=tuple(config.eos_token_id) if args.stop_at_eos else ())
+  total = len(prompts) * args.max_new_tokens
+  done = [0]
+
+  def progress(eng, outs):
+    done[0] += sum(len(o.new_token_ids) for o in outs)
+    sys.stderr.write(f"\rstep {eng.num_steps}: {done[0]}/{total} tokens, {eng.num_compilations} compiled shapes")
+    sys.stderr.flush()
+
+  reqs = engine.generate(prompts, sampling, progress=progress)
+  sys.stderr.write("\n")
+  if args.json:
+    json.dump({"requests": [{"prompt_token_ids": r.prompt_token_ids, "output_token_ids": r.output_token_ids,
+                             "finish_reason": r.finish_reason,
+                             "logprobs": [[[i, v] for i, v in step] for step in r.output_logprobs]} for r in reqs],
+               "steps": engine.num_steps, "compilations": engine.num_compilations,
+               "preemptions": engine.scheduler.num_preemptions}, sys.stdout)
+    sys.stdout.write("\n")
+  else:
+    for i, r in enumerate(reqs):
+      print(f"[{i}] prompt {len(r.prompt_token_ids)} tokens -> {r.output_token_ids} ({r.finish_reason})")
+      for step, lps in zip(r.output_token_ids, r.output_logprobs):
+        if lps:
+          print(f"     {step}: " + ", ".join(f"{t}:{v:.4f}" for t, v in lps))
+  return 0
+
+
+def cmd_bench(args) -> int:
+  import time
+
+  import numpy as np
+
+  from jaxkv.engine import LLMEngine, SamplingParams
+
+  config, model = _load_model(args)
+  rng = np.random.default_rng(args.seed)
+  prompts = [list(rng.integers(1, config.vocab_size, args.context)) for _ in range(args.batch)]
+  engine = LLMEngine(model, _engine_config(args, args.context + args.steps + 2))
+  # One token from the prefill, one warm-up step, then `steps` timed decode steps.
+  reqs = [engine.add_request(f"bench-{i}", p, SamplingParams(max_new_tokens=args.steps + 2))
+          for i, p in enumerate(prompts)]
+  t0 = time.perf_counter()
+  while not all(r.output_token_ids for r in reqs):  # prefill: until every request has its first token
+    engine.step()
+  prefill_s = time.perf_counter() - t0
+  warm = engine.num_compilations
+  engine.step()  # first pure decode step compiles its bucket
+  compiled_warm = engine.num_compilations
+  lat = []
+  while engine.has_unfinished():
+    t = time.perf_counter()
+    engine.step()
+    lat.append(time.perf_counter() - t)
+  lat_ms = np.asarray(lat) * 1e3
+  result = {"config": args.config or ("checkpoint" if args.model_path else "glm-5.3-flash-tiny"),
+            "batch": args.batch, "context": args.context, "decode_steps": len(lat),
+            "prefill_s": prefill_s, "decode_tokens_per_s": args.batch * len(lat) / max(sum(lat), 1e-9),
+            "step_ms_p50": float(np.percentile(lat_ms, 50)), "step_ms_p90": float(np.percentile(lat_ms, 90)),
+            "step_ms_p99": float(np.percentile(lat_ms, 99)), "compilations_after_prefill": warm,
+            "compilations_after_warmup": compiled_warm, "compilations_at_end": engine.num_compilations,
+            "implementation": args.implementation, "layout": args.layout, "block_size": args.block_size}
+  print(json.dumps(result) if args.json else "\n".join(f"{k:28s} {v}" for k, v in result.items()))
+  return 0
+
+
+def _add_engine_args(p):
+  _add_model_args(p)
+  p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights and state dtype")
+  p.add_argument("--seed", type=int, default=0, help="random weights and sampling seed")
+  p.add_argument("--block-size", type=int, default=256)
+  p.add_argument("--kernel-block-size", type=int, default=None, help="split token caches into kernel blocks (dense)")
+  p.add_argument("--layout", choices=("dense", "packed"), default="packed")
+  p.add_argument("--memory-gib", type=float, default=0.0625, help="KV-cache budget in GiB (default 64 MiB)")
+  p.add_argument("--max-model-len", type=int, default=None)
+  p.add_argument("--max-num-reqs", type=int, default=8)
+  p.add_argument("--max-num-batched-tokens", type=int, default=64, help="token budget per step")
+  p.add_argument("--kv-cache-dtype", choices=("float32", "bfloat16", "fp8"), default="float32")
+  p.add_argument("--indexer-cache-dtype", choices=("float32", "bfloat16", "fp8"), default="float32")
+  p.add_argument("--implementation", choices=("xla", "pallas"), default="xla", help="kernels")
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="jaxkv", description="Paged KV-cache management for JAX/Pallas LLM inference.")
   sub = parser.add_subparsers(dest="command", required=True)
@@ -116,6 +259,31 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--num-spec", type=int, default=0, help="speculative tokens per step (widens the tail ring)")
   p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
   p.set_defaults(func=cmd_inspect)
+
+  g = sub.add_parser("generate", help="generate tokens (default: the embedded tiny random model)",
+                     description="Serve prompts with the engine: continuous batching, chunked prefill, paged caches.")
+  _add_engine_args(g)
+  src = g.add_mutually_exclusive_group()
+  src.add_argument("--prompt-ids", help="comma-separated token ids (default 1..13)")
+  src.add_argument("--prompt", help="text, encoded with the checkpoint's tokenizer.json")
+  src.add_argument("--batch-file", help="JSON list of token-id lists, one request each")
+  g.add_argument("--batch", type=int, default=1, help="copies of the prompt")
+  g.add_argument("--max-new-tokens", type=int, default=8)
+  g.add_argument("--temperature", type=float, default=0.0)
+  g.add_argument("--top-p", type=float, default=1.0)
+  g.add_argument("--logprobs", type=int, default=0, help="top-k log-probabilities per token (up to 20)")
+  g.add_argument("--stop-at-eos", action="store_true", help="stop at the config's eos ids")
+  g.add_argument("--json", action="store_true", help="tokens and logprobs per request as one JSON object")
+  g.set_defaults(func=cmd_generate)
+
+  b = sub.add_parser("bench", help="decode throughput, step latency percentiles and compile count",
+                     description="Prefill a batch of random prompts, then time every decode step.")
+  _add_engine_args(b)
+  b.add_argument("--batch", type=int, default=4)
+  b.add_argument("--context", type=int, default=64, help="prompt tokens per request")
+  b.add_argument("--steps", type=int, default=32, help="decode steps to time")
+  b.add_argument("--json", action="store_true")
+  b.set_defaults(func=cmd_bench)
   return parser
 
 

@@ -29,3 +29,21 @@ def test_inspect_text_and_errors(capsys):
 def test_module_entry_point_help():
   out = subprocess.run([sys.executable, "-m", "jaxkv", "inspect", "--help"], capture_output=True, text=True, check=True)
   assert "--layout" in out.stdout and "--json" in out.stdout
+
+
+def test_generate_json_on_the_embedded_model(capsys):
+  assert main(["generate", "--prompt-ids", "5,6,7,8,9,10", "--batch", "2", "--max-new-tokens", "3", "--logprobs",
+               "2", "--json"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  a, b = out["requests"]
+  assert len(a["output_token_ids"]) == 3 and a["output_token_ids"] == b["output_token_ids"]
+  assert len(a["logprobs"][0]) == 2 and a["logprobs"][0][0][0] == a["output_token_ids"][0]
+  assert main(["generate", "--prompt", "hello"]) == 2  # no tokenizer for a random model
+  assert "--prompt-ids" in capsys.readouterr().err
+
+
+def test_bench_json(capsys):
+  assert main(["bench", "--batch", "2", "--context", "9", "--steps", "3", "--json"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert out["decode_steps"] == 3 and out["decode_tokens_per_s"] > 0
+  assert out["compilations_at_end"] == out["compilations_after_warmup"]
