@@ -1,7 +1,8 @@
 """GLM-5.3-Flash (``glm5_next``) text configuration, parsed from HF ``config.json`` (JSON only).
 
-Built-in configs: ``glm-5.3-flash`` (the released text tower) and ``glm-5.3-flash-tiny`` (every
-mechanism at CPU-test size, ``docs/glm-5.3-flash-architecture.md`` section 8).
+Built-in configs: ``glm-5.3-flash`` (the released text tower), ``glm-5.3-flash-tiny`` (every
+mechanism at CPU-test size, ``docs/glm-5.3-flash-architecture.md`` section 8) and
+``glm-5.3-flash-mini`` (released indexer and latent shapes in 8 narrower layers, for GPU benchmarks).
 """
 
 from __future__ import annotations
@@ -171,7 +172,25 @@ def _tiny() -> dict:
   }
 
 
-BUILTIN_CONFIGS = {"glm-5.3-flash": _released, "glm-5.3-flash-tiny": _tiny}
+def _mini() -> dict:
+  """A mid-size random config for GPU benchmarks: the released per-layer shapes of the indexer and
+  the MLA latent, fewer and narrower layers (8: KDA, KDA, KDA, DSA twice), 16 experts."""
+  n = 8
+  cfg = _released()
+  cfg.update({
+      "vocab_size": 32000, "hidden_size": 1024, "num_hidden_layers": n,
+      "layer_types": ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(n)],
+      "mlp_layer_types": ["dense"] + ["sparse"] * (n - 1), "indexer_types": ["full"] * n,
+      "intermediate_size": 2048, "moe_intermediate_size": 512, "n_routed_experts": 16, "num_experts_per_tok": 4,
+      "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": 512, "qk_nope_head_dim": 128,
+      "v_head_dim": 128, "linear_attn_config": {"num_heads": 8, "head_dim": 128, "short_conv_kernel_size": 4,
+                                                "gate_lower_bound": -5.0},
+      "max_position_embeddings": 131072, "pad_token_id": 0, "eos_token_id": [1],
+  })
+  return cfg
+
+
+BUILTIN_CONFIGS = {"glm-5.3-flash": _released, "glm-5.3-flash-tiny": _tiny, "glm-5.3-flash-mini": _mini}
 
 
 def get_config(name: str) -> Glm5NextConfig:
