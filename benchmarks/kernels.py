@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
-import os
 import pathlib
 import statistics
 import sys

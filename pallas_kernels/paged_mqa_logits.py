@@ -28,14 +28,14 @@ __all__ = ["paged_mqa_logits", "paged_mqa_logits_reference"]
 
 
 def _paged_mqa_logits_kernel(q_ref, w_ref, ctx_ref, kt_ref, values_ref, scales_ref, out_ref, *,
-                             base_row, entry_row, scale_word, states_per_page, head_dim, next_n, pages_per_program):
+                             base_row, entry_row, scale_word, states_per_page, next_n, pages_per_program):
   # q_ref: [B, next_n, H, D]; w_ref: [B * next_n, H]; ctx_ref: [B, next_n]; kt_ref: [B, num_pages];
   # values_ref: [rows, row_bytes // D, D] as values (a page's P entries start at entry_row);
   # scales_ref: [rows, row_bytes // 4] f32 (a page's scales start at scale_word) or None;
   # out_ref: [B * next_n, num_pages * P].
   b = pl.program_id(0)
   chunk = pl.program_id(1)
-  p, d = states_per_page, head_dim
+  p = states_per_page
   # fp8 and bf16 operands are exact in bf16 (tensor cores); float32 runs stay float32.
   dot_dtype = jnp.float32 if values_ref.dtype == jnp.float32 else jnp.bfloat16
   precision = jax.lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
@@ -171,7 +171,7 @@ def paged_mqa_logits(
     kernel_block_table = jnp.pad(kernel_block_table, ((0, 0), (0, num_chunks * ppp - num_pages)))
   elem = d * (1 if cache_dtype == "fp8" else jnp.dtype(cache_dtype).itemsize)
   kernel = functools.partial(_paged_mqa_logits_kernel, base_row=base_row, entry_row=page_offset_bytes // elem,
-                             scale_word=(page_offset_bytes + p * d) // 4, states_per_page=p, head_dim=d,
+                             scale_word=(page_offset_bytes + p * d) // 4, states_per_page=p,
                              next_n=next_n, pages_per_program=ppp)
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   operands = [q, weights, context_lens, kernel_block_table, values] + ([scales] if scales is not None else [])

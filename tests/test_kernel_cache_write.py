@@ -1,6 +1,5 @@
 """Slot-mapped cache writes against the reference, on dense and packed planned caches."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

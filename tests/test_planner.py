@@ -3,7 +3,6 @@
 import json
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from jaxkv import (
@@ -11,7 +10,6 @@ from jaxkv import (
     CircularBufferSpec,
     FullAttentionSpec,
     KVCacheLayer,
-    MultipleOf,
     plan_kv_cache,
 )
 from models.glm5_next import get_config, get_kv_cache_layers, load_config, tail_ring_size

@@ -186,15 +186,20 @@ def kda_recurrent(q, k, v, g, beta, state):
   """
 
   def step(s, inp):
-    qt, kt, vt, gt, bt = inp
-    s = s * jnp.exp(gt)[..., None]
-    u = bt[..., None] * (vt - jnp.einsum("bhkv,bhk->bhv", s, kt, precision=_HP))
-    s = s + kt[..., None] * u[..., None, :]
-    return s, jnp.einsum("bhkv,bhk->bhv", s, qt, precision=_HP)
+    return delta_rule_step(s, *inp)
 
   xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
   state, o = jax.lax.scan(step, state, xs)
   return jnp.moveaxis(o, 0, 1), state
+
+
+def delta_rule_step(s, q, k, v, g, beta):
+  """One token of the delta rule for any leading dims: ``s [..., K, V]``, ``q, k, g [..., K]``,
+  ``v [..., V]``, ``beta [...]`` -> ``(s, o [..., V])``."""
+  s = s * jnp.exp(g)[..., None]
+  u = beta[..., None] * (v - jnp.einsum("...kv,...k->...v", s, k, precision=_HP))
+  s = s + k[..., None] * u[..., None, :]
+  return s, jnp.einsum("...kv,...k->...v", s, q, precision=_HP)
 
 
 def kda_chunked(q, k, v, g, beta, state, chunk_size: int = 64):
@@ -264,6 +269,10 @@ class KimiDeltaAttention(nnx.Module):
     self.h, self.k, self.kw = h, k, kw
     self.lower_bound, self.eps = config.linear_gate_lower_bound, config.rms_norm_eps
 
+  def project(self, x):
+    """Raw q|k|v projections ``[..., 3C]`` (what the conv windows hold)."""
+    return jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+
   def conv_weights(self):
     """Depthwise taps ``[kw, 3C]`` for the concatenated q|k|v channels (tap ``kw-1``: current token)."""
     return jnp.concatenate([w[...][:, 0, :] for w in (self.q_conv1d, self.k_conv1d, self.v_conv1d)], axis=0).T
@@ -278,17 +287,12 @@ class KimiDeltaAttention(nnx.Module):
   def __call__(self, x, conv_state=None, recurrent_state=None, *, chunked: bool = True, chunk_size: int = 64):
     """``x [B, T, D]`` -> ``(y [B, T, D], (conv_state [B, kw-1, 3C], recurrent_state [B, H, K, K]))``."""
     b, t, _ = x.shape
-    mixed = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)  # [B, T, 3C]
+    mixed = self.project(x)
     if conv_state is None:
       conv_state = jnp.zeros((b, self.kw - 1, mixed.shape[-1]), mixed.dtype)
     window = jnp.concatenate([conv_state.astype(mixed.dtype), mixed], axis=1)  # [B, kw-1+T, 3C]
-    taps = self.conv_weights()
-    conv = sum(window[:, j:j + t].astype(jnp.float32) * taps[j] for j in range(self.kw))
-    conv = jax.nn.silu(conv).astype(x.dtype)
+    q, k, v = self.conv_qkv(jnp.stack([window[:, j:j + t] for j in range(self.kw)], axis=-2), x.dtype)
     new_conv_state = window[:, -(self.kw - 1):]
-    q, k, v = (a.reshape(b, t, self.h, self.k).astype(jnp.float32) for a in jnp.split(conv, 3, axis=-1))
-    q = _l2norm(q) * self.k ** -0.5
-    k = _l2norm(k)
     g, beta = self.gates(x)
     if recurrent_state is None:
       recurrent_state = jnp.zeros((b, self.h, self.k, self.k), jnp.float32)
@@ -296,11 +300,20 @@ class KimiDeltaAttention(nnx.Module):
       o, state = kda_chunked(q, k, v, g, beta, recurrent_state, chunk_size)
     else:
       o, state = kda_recurrent(q, k, v, g, beta, recurrent_state)
-    gate = self.g_b_proj(self.g_a_proj(x)).reshape(b, t, self.h, self.k).astype(jnp.float32)
-    # Gated RMSNorm stays float32 through weight and gate (as HF's RMSNormGated).
+    return self.output(o, x), (new_conv_state, state)
+
+  def conv_qkv(self, windows, dtype):
+    """Conv windows ``[..., kw, 3C]`` (raw projections, oldest first) -> normed ``q, k, v [..., H, K]``."""
+    out = jax.nn.silu(jnp.sum(windows.astype(jnp.float32) * self.conv_weights(), axis=-2)).astype(dtype)
+    q, k, v = (a.reshape(*a.shape[:-1], self.h, self.k).astype(jnp.float32) for a in jnp.split(out, 3, axis=-1))
+    return _l2norm(q) * self.k ** -0.5, _l2norm(k), v
+
+  def output(self, o, x):
+    """Gated RMSNorm (float32 through weight and gate, as HF's RMSNormGated) and ``o_proj``."""
+    gate = self.g_b_proj(self.g_a_proj(x)).reshape(*x.shape[:-1], self.h, self.k).astype(jnp.float32)
     o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + self.eps)
     o = o * self.o_norm.weight[...].astype(jnp.float32) * jax.nn.sigmoid(gate)
-    return self.o_proj(o.astype(x.dtype).reshape(b, t, -1)), (new_conv_state, state)
+    return self.o_proj(o.astype(x.dtype).reshape(*x.shape[:-1], -1))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from jaxtyping import Array, Int
 from jaxkv.kv_cache_config import KVCacheConfig
 from jaxkv.slot_mapping import compute_circular_slot_mapping, compute_compressed_slot_mapping, compute_slot_mapping
 from models.glm5_next.config import Glm5NextConfig
-from models.glm5_next.model import Glm5NextForCausalLM, HyperConnection, _l2norm
+from models.glm5_next.model import Glm5NextForCausalLM, HyperConnection, delta_rule_step
 from pallas_kernels.cache_write import encode_entries, write_to_paged_cache
 from pallas_kernels.kpool import kpool_compress_and_write
 from pallas_kernels.paged_mqa_logits import paged_mqa_logits
@@ -116,7 +116,6 @@ def _kernel_table(ref: _CacheRef, table):
 
 def _kda_step(attn, x, caches, ref: _CacheRef, inputs: StepInputs, state_dtype: str):
   """KDA over the flat batch: each request's state slot read, advanced token by token, written back."""
-  t = x.shape[0]
   h, k, kw = attn.h, attn.k, attn.kw
   c = h * k
   rows = inputs.block_tables[ref.group][:, 0]  # [R] one state block per request
@@ -139,33 +138,24 @@ def _kda_step(attn, x, caches, ref: _CacheRef, inputs: StepInputs, state_dtype: 
   conv = jnp.where(starts_at_zero[:, None, None], 0, conv).astype(x.dtype)
   rec = jnp.where(starts_at_zero[:, None, None, None], 0.0, rec)
 
-  mixed = jnp.concatenate([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], axis=-1)  # [T, 3C]
+  mixed = attn.project(x)  # [T, 3C]
   g, beta = attn.gates(x)  # [T, H, K], [T, H]
-  taps = attn.conv_weights()
 
+  # Token by token, each on its own request's state: a ragged batch in one scan.
   def step(carry, inp):
     conv_s, rec_s = carry
     r, m, gt, bt = inp
     valid = r >= 0
     rr = jnp.maximum(r, 0)
     window = jnp.concatenate([conv_s[rr], m[None]], axis=0)  # [kw, 3C]
-    out = jax.nn.silu(jnp.sum(window.astype(jnp.float32) * taps, axis=0)).astype(x.dtype)
-    q, kk, v = (a.reshape(h, k).astype(jnp.float32) for a in jnp.split(out, 3))
-    q = _l2norm(q) * k ** -0.5
-    kk = _l2norm(kk)
-    s = rec_s[rr] * jnp.exp(gt)[..., None]
-    u = bt[:, None] * (v - jnp.einsum("hkv,hk->hv", s, kk, precision=_HP))
-    s = s + kk[..., None] * u[:, None, :]
-    o = jnp.einsum("hkv,hk->hv", s, q, precision=_HP)
+    q, kk, v = attn.conv_qkv(window, x.dtype)
+    s, o = delta_rule_step(rec_s[rr], q, kk, v, gt, bt)
     conv_s = jnp.where(valid, conv_s.at[rr].set(window[1:]), conv_s)
     rec_s = jnp.where(valid, rec_s.at[rr].set(s), rec_s)
     return (conv_s, rec_s), o
 
   (conv, rec), o = jax.lax.scan(step, (conv, rec), (inputs.req_indices, mixed, g, beta))
-  gate = attn.g_b_proj(attn.g_a_proj(x)).reshape(t, h, k).astype(jnp.float32)
-  o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + attn.eps)
-  o = o * attn.o_norm.weight[...].astype(jnp.float32) * jax.nn.sigmoid(gate)
-  y = attn.o_proj(o.astype(x.dtype).reshape(t, -1))
+  y = attn.output(o, x)
   # Write back the slots of the requests that had tokens in this step.
   conv_parts = jnp.split(conv.astype(sdt), 3, axis=-1)
   new = jnp.concatenate([jax.lax.bitcast_convert_type(p, jnp.uint8).reshape(num_reqs, -1) for p in conv_parts]
