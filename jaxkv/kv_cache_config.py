@@ -12,7 +12,8 @@ supports:
   alias, since a block belongs to one group at a time). Per-request state layers (the kpool tail
   ring, KDA states) are split into groups that fit the bytes the token groups already need,
   and the block size is scaled up when a state page would not fit. Bytes per block are rounded up
-  to the lcm of every layer's resolved stride alignment, so a compressed cache can be re-strided
+  to the lcm of every layer's resolved stride alignment (and of 512 bytes, so typed views of each
+  layer start on whole element rows), so a compressed cache can be re-strided
   into whole kernel pages (``AttentionGroup.map_kv_cache_to_kernel_blocks``).
 """
 
