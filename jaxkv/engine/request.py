@@ -49,7 +49,7 @@ class RequestStatus(enum.Enum):
   ABORTED = enum.auto()
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # identity: two requests are never "equal"
 class Request:
   """Host-side state of one request."""
 

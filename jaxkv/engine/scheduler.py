@@ -21,14 +21,13 @@ __all__ = ["Scheduler", "ScheduledChunk"]
 
 @dataclasses.dataclass(frozen=True)
 class ScheduledChunk:
-  request: Request
-  start: int  # first position computed this step
-  num_tokens: int
+  """``num_tokens`` tokens of ``request`` from position ``start``; ``samples``: the chunk reaches
+  the request's last token, whose logits pick the next one (fixed when scheduled)."""
 
-  @property
-  def samples(self) -> bool:
-    """The chunk reaches the request's last token, whose logits pick the next one."""
-    return self.start + self.num_tokens == self.request.num_tokens
+  request: Request
+  start: int
+  num_tokens: int
+  samples: bool
 
 
 class Scheduler:
@@ -84,6 +83,11 @@ class Scheduler:
     self.tables.append_row(new, request.row)
     return True
 
+  @staticmethod
+  def _chunk(request: Request, n: int) -> ScheduledChunk:
+    start = request.num_computed_tokens
+    return ScheduledChunk(request, start, n, start + n == request.num_tokens)
+
   def schedule(self) -> list[ScheduledChunk]:
     budget = self.budget
     chunks: list[ScheduledChunk] = []
@@ -101,7 +105,7 @@ class Scheduler:
         if victim is request:
           break
       else:
-        chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
+        chunks.append(self._chunk(request, n))
         budget -= n
     while self.waiting and budget > 0 and self.free_rows:
       request = self.waiting[0]
@@ -118,7 +122,7 @@ class Scheduler:
       self.waiting.popleft()
       request.status = RequestStatus.RUNNING
       self.running.append(request)
-      chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
+      chunks.append(self._chunk(request, n))
       budget -= n
     for c in chunks:
       c.request.num_computed_tokens += c.num_tokens

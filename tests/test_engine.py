@@ -1,0 +1,57 @@
+"""Engine behaviour beyond equivalence: aborts, bad requests, sampling parameters."""
+
+import numpy as np
+import pytest
+
+from jaxkv.engine import RequestStatus, SamplingParams
+from test_engine_equivalence import LLMEngine, cfg, model, prompts
+
+
+def test_abort_frees_everything_and_others_continue():
+  engine = LLMEngine(model(), cfg())
+  initial = engine.kv.num_free_blocks
+  a = engine.add_request("a", prompts()[0], SamplingParams(max_new_tokens=6))
+  b = engine.add_request("b", prompts()[1], SamplingParams(max_new_tokens=6))
+  engine.step()
+  engine.abort("a")
+  assert a.status == RequestStatus.ABORTED and a.row == -1
+  while engine.has_unfinished():
+    engine.step()
+  assert len(a.output_token_ids) == 1 and len(b.output_token_ids) == 6 and b.finish_reason == "length"
+  assert engine.kv.num_free_blocks == initial
+  assert sorted(engine.scheduler.free_rows) == list(range(engine.config.max_num_reqs))
+
+
+def test_stop_token_ends_a_request():
+  engine = LLMEngine(model(), cfg())
+  first = engine.generate([prompts()[0]], SamplingParams(max_new_tokens=4))[0].output_token_ids
+  stopped = engine.generate([prompts()[0]], SamplingParams(max_new_tokens=4, stop_token_ids=(first[1],)))[0]
+  assert stopped.output_token_ids == first[:2] and stopped.finish_reason == "stop"
+
+
+def test_bad_requests_are_refused_with_their_values():
+  engine = LLMEngine(model(), cfg(max_model_len=64))
+  with pytest.raises(ValueError, match=r"prompt token ids must be non-empty and in \[0, 256\)"):
+    engine.add_request("x", [1, 999])
+  with pytest.raises(ValueError, match="60 prompt \\+ 8 new tokens exceed max_model_len 64"):
+    engine.add_request("y", list(range(1, 61)), SamplingParams(max_new_tokens=8))
+  engine.add_request("z", [1, 2, 3])
+  with pytest.raises(ValueError, match="already in use"):
+    engine.add_request("z", [1, 2, 3])
+  with pytest.raises(ValueError, match="top_p must be in"):
+    SamplingParams(top_p=0.0)
+  with pytest.raises(ValueError, match="logprobs must be in"):
+    SamplingParams(logprobs=21)
+
+
+def test_temperature_sampling_follows_the_distribution():
+  # With top_p tiny, sampling must pick the argmax: only the first token survives the nucleus.
+  engine = LLMEngine(model(), cfg())
+  greedy = engine.generate([prompts()[2]], SamplingParams(max_new_tokens=3))[0].output_token_ids
+  nucleus = engine.generate([prompts()[2]], SamplingParams(max_new_tokens=3, temperature=1.5, top_p=1e-6,
+                                                           seed=3))[0].output_token_ids
+  assert nucleus == greedy
+  hot = [engine.generate([prompts()[2]], SamplingParams(max_new_tokens=3, temperature=5.0, seed=s))[0].output_token_ids
+         for s in range(4)]
+  assert len({tuple(h) for h in hot}) > 1
+  assert all(0 <= t < 256 for h in hot for t in h)
