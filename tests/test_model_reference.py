@@ -106,3 +106,16 @@ def test_mtp_draft_step(model):
   # Position 0 sees no embedding: changing the next token there changes nothing at position 0.
   other = model.mtp(h, next_e.at[:, 0].set(7.0), pos)
   np.testing.assert_allclose(other[:, 0], draft[:, 0], atol=1e-6)
+
+
+def test_grouped_moe_equals_every_expert_weighted(model):
+  """The grouped (top-k only) MoE against the definition: every expert on every token, weighted."""
+  moe = model.layers[1].mlp
+  x = jnp.asarray(np.random.default_rng(6).standard_normal((2, 9, CFG.hidden_size)), jnp.float32)
+  w = moe.routing(x)
+  hp = jax.lax.Precision.HIGHEST
+  g = jnp.einsum("btd,eid->btei", x, moe.experts_gate[...], precision=hp)
+  u = jnp.einsum("btd,eid->btei", x, moe.experts_up[...], precision=hp)
+  h = jax.nn.silu(jnp.minimum(g, moe.limit)) * jnp.clip(u, -moe.limit, moe.limit) * w[..., None]
+  want = jnp.einsum("btei,edi->btd", h, moe.experts_down[...], precision=hp) + moe.shared_experts(x)
+  np.testing.assert_allclose(moe(x), want, atol=1e-5, rtol=1e-5)

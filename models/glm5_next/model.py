@@ -150,25 +150,40 @@ class MoE(nnx.Module):
     self.top_k, self.scale, self.norm = config.num_experts_per_tok, config.routed_scaling_factor, config.norm_topk_prob
     self.limit = config.swiglu_limit
 
-  def routing(self, x):
-    """Per-token weights over all experts, zero outside the top-k: ``[..., E]`` float32."""
+  def route(self, x):
+    """Top-k experts ``[..., k]`` and their weights (float32): selection by ``sigmoid + bias``,
+    weights from the unbiased sigmoid, renormalized and scaled."""
     scores = jax.nn.sigmoid(_linear(x.astype(jnp.float32), self.gate_weight[...]))
     _, idx = jax.lax.top_k(scores + self.e_score_correction_bias[...], self.top_k)
     chosen = jnp.take_along_axis(scores, idx, axis=-1)
     if self.norm:
       chosen = chosen / (jnp.sum(chosen, axis=-1, keepdims=True) + 1e-20)
-    weights = jnp.zeros_like(scores)
-    weights = jnp.put_along_axis(weights, idx, chosen * self.scale, axis=-1, inplace=False)
-    return weights
+    return idx, chosen * self.scale
+
+  def routing(self, x):
+    """Per-token weights over all experts, zero outside the top-k: ``[..., E]`` float32."""
+    idx, w = self.route(x)
+    return jnp.put_along_axis(jnp.zeros(x.shape[:-1] + (self.gate_weight.shape[0],), jnp.float32), idx, w,
+                              axis=-1, inplace=False)
 
   def __call__(self, x):
-    w = self.routing(x).astype(x.dtype)
-    # Reference form: every expert on every token, weighted (zero weight outside the top-k).
-    g = jnp.einsum("btd,eid->btei", x, self.experts_gate[...].astype(x.dtype), precision=_HP)
-    u = jnp.einsum("btd,eid->btei", x, self.experts_up[...].astype(x.dtype), precision=_HP)
-    h = _swiglu_clamped(g, u, self.limit) * w[..., None]
-    routed = jnp.einsum("btei,edi->btd", h, self.experts_down[...].astype(x.dtype), precision=_HP)
-    return routed + self.shared_experts(x)
+    # Only the chosen experts run: token copies sorted by expert, one grouped matmul per projection.
+    lead, d = x.shape[:-1], x.shape[-1]
+    idx, w = self.route(x)
+    flat = x.reshape(-1, d)
+    expert = idx.reshape(-1)
+    order = jnp.argsort(expert, stable=True)
+    token = order // self.top_k
+    sizes = jnp.bincount(expert, length=self.gate_weight.shape[0]).astype(jnp.int32)
+    xs = flat[token]
+    gate = jax.lax.ragged_dot(xs, jnp.swapaxes(self.experts_gate[...], 1, 2).astype(x.dtype), sizes,
+                              precision=_HP)
+    up = jax.lax.ragged_dot(xs, jnp.swapaxes(self.experts_up[...], 1, 2).astype(x.dtype), sizes, precision=_HP)
+    h = _swiglu_clamped(gate, up, self.limit)
+    out = jax.lax.ragged_dot(h, jnp.swapaxes(self.experts_down[...], 1, 2).astype(x.dtype), sizes, precision=_HP)
+    out = out * w.reshape(-1)[order][:, None].astype(x.dtype)
+    routed = jnp.zeros_like(flat).at[token].add(out)
+    return routed.reshape(*lead, d) + self.shared_experts(x)
 
 
 # ---------------------------------------------------------------------------------------------
