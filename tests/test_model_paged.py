@@ -29,7 +29,7 @@ def setup(layout, kv_dtype="float32", idx_dtype="float32", block_size=512):
   layers = get_kv_cache_layers(CFG, block_size=block_size, kv_cache_dtype=kv_dtype, indexer_cache_dtype=idx_dtype,
                                state_dtype="float32")
   plan = plan_kv_cache(layers, block_size=block_size, memory_bytes=64 << 20, max_model_len=1024, layout=layout)
-  return plan, PagedLayout.build(CFG, plan, kv_cache_dtype=kv_dtype, indexer_cache_dtype=idx_dtype,
+  return plan, PagedLayout.build(plan, kv_cache_dtype=kv_dtype, indexer_cache_dtype=idx_dtype,
                                  state_dtype="float32")
 
 

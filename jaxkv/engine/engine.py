@@ -84,7 +84,7 @@ class LLMEngine:
     self.plan = plan_kv_cache(layers, block_size=config.block_size, memory_bytes=config.memory_bytes,
                               max_model_len=config.max_model_len, layout=config.layout,
                               kernel_block_size=config.kernel_block_size)
-    self.layout = PagedLayout.build(model.config, self.plan, kv_cache_dtype=config.kv_cache_dtype,
+    self.layout = PagedLayout.build(self.plan, kv_cache_dtype=config.kv_cache_dtype,
                                     indexer_cache_dtype=config.indexer_cache_dtype, state_dtype=config.state_dtype)
     groups = self.plan.kv_cache_groups
     self.kv = KVCacheManager([g.kv_cache_spec for g in groups], self.plan.num_blocks, enable_caching=False)

@@ -13,7 +13,7 @@ together. Every cache is read and written in place through ``jaxkv``:
 * KDA: the request's state slot (its one block in the layer's group) is read, advanced token by
   token, and written back; a request whose first token in the step is position 0 starts from zero.
 
-``PagedLayout.build(config, plan)`` turns a ``KVCacheConfig`` into the static facts the step needs.
+``PagedLayout.build(plan, ...)`` turns a ``KVCacheConfig`` into the static facts the step needs.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from jaxtyping import Array, Int
 
 from jaxkv.kv_cache_config import KVCacheConfig
 from jaxkv.slot_mapping import compute_circular_slot_mapping, compute_compressed_slot_mapping, compute_slot_mapping
-from models.glm5_next.config import Glm5NextConfig
 from models.glm5_next.model import Glm5NextForCausalLM, HyperConnection, delta_rule_step
 from pallas_kernels.cache_write import encode_entries, write_to_paged_cache
 from pallas_kernels.kpool import kpool_compress_and_write
@@ -85,7 +84,7 @@ class PagedLayout:
   layers: tuple[tuple[str, _CacheRef], ...]
 
   @classmethod
-  def build(cls, config: Glm5NextConfig, plan: KVCacheConfig, *, kv_cache_dtype: str, indexer_cache_dtype: str,
+  def build(cls, plan: KVCacheConfig, *, kv_cache_dtype: str, indexer_cache_dtype: str,
             state_dtype: str) -> PagedLayout:
     shapes = {t.name: t.shape_dtype() for t in plan.tensors}
     refs = []
@@ -165,8 +164,7 @@ def _kda_step(attn, x, caches, ref: _CacheRef, inputs: StepInputs, state_dtype: 
   return y, caches
 
 
-def _dsa_step(attn, x, caches, layout: PagedLayout, name: str, inputs: StepInputs, prev_indices, config,
-              implementation):
+def _dsa_step(attn, x, caches, layout: PagedLayout, name: str, inputs: StepInputs, prev_indices, implementation):
   """Sparse MLA over the paged latent cache with the pooled indexer; returns ``(y, caches, indices)``."""
   t = x.shape[0]
   mla, idx, tail = (layout.ref(f"{name}.{s}") for s in ("mla", "indexer", "indexer_tail"))
@@ -229,7 +227,7 @@ def paged_forward(model: Glm5NextForCausalLM, caches: dict[str, jax.Array], inpu
     caches: the plan's backing arrays (``KVCacheConfig.allocate``), updated functionally (donate
       them to the jitted step to update in place).
     inputs: the step's tokens and block tables.
-    layout: ``PagedLayout.build(config, plan, ...)``.
+    layout: ``PagedLayout.build(plan, ...)``.
     implementation: the kernels' switch, ``"pallas"`` or ``"xla"``.
     logits_indices: the tokens whose logits are needed (each sampling request's last token);
       the head then runs on those rows only.
@@ -245,7 +243,7 @@ def paged_forward(model: Glm5NextForCausalLM, caches: dict[str, jax.Array], inpu
     if layer.kind == "linear_attention":
       y, caches = _kda_step(layer.self_attn, x, caches, layout.ref(f"{name}.kda"), inputs, layout.state_dtype)
     else:
-      y, caches, indices = _dsa_step(layer.self_attn, x, caches, layout, name, inputs, indices, config, implementation)
+      y, caches, indices = _dsa_step(layer.self_attn, x, caches, layout, name, inputs, indices, implementation)
     streams = HyperConnection.expand(post, comb, y[None], streams)
     post, comb, u = layer.ffn_hc(streams)
     z = layer.mlp(layer.post_attention_layernorm(u))
