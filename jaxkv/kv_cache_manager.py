@@ -162,7 +162,11 @@ class CircularBufferManager(_OneBlockPerRequestManager):
 
 
 class LinearAttentionStateManager(_OneBlockPerRequestManager):
-  """A linear-attention state slot (KDA conv windows + recurrent state) per request."""
+  """Linear-attention state slots (KDA conv windows + recurrent state): one per request, plus one
+  per speculative token."""
+
+  def num_blocks_needed(self, num_tokens: int) -> int:
+    return self.spec.max_num_blocks_per_req(num_tokens)
 
 
 def get_manager_for_spec(spec: KVCacheSpec, block_pool: BlockPool, group_id: int) -> SingleTypeKVCacheManager:

@@ -271,21 +271,28 @@ class CircularBufferSpec(AttentionSpec):
 class LinearAttentionStateSpec(KVCacheSpec):
   """Per-request recurrent state of a linear-attention layer (KDA conv windows + delta state).
 
-  One slot (block) per request for life, independent of its length. ``block_size`` is nominal
-  (the manager block size) and does not change the page.
+  One slot (block) per request for life, independent of its length, plus one per speculative
+  token (vLLM's ``MambaSpec.num_speculative_blocks``): a verify step writes the state after each of
+  its last ``1 + num_speculative_blocks`` tokens to its own slot, and the next step reads the slot
+  of the last accepted token, so rejected drafts never touch the state it continues from.
+  ``block_size`` is nominal (the manager block size) and does not change the page.
 
   Attributes:
     shapes: shape of each state tensor, e.g. ``((3, 8192),) * 3 + ((64, 128, 128),)``.
     dtypes: dtype name of each state tensor.
+    num_speculative_blocks: extra state slots per request for speculative decoding.
   """
 
   shapes: tuple[tuple[int, ...], ...]
   dtypes: tuple[str, ...]
+  num_speculative_blocks: int = 0
 
   def __post_init__(self):
     super().__post_init__()
     if len(self.shapes) != len(self.dtypes):
       raise ValueError(f"{len(self.shapes)} state shapes but {len(self.dtypes)} dtypes.")
+    if self.num_speculative_blocks < 0:
+      raise ValueError(f"num_speculative_blocks must be >= 0, got {self.num_speculative_blocks}.")
 
   @property
   def tokens_per_state(self) -> int:
@@ -312,7 +319,7 @@ class LinearAttentionStateSpec(KVCacheSpec):
     return sum(self.tensor_bytes)
 
   def max_num_blocks_per_req(self, max_model_len: int) -> int:
-    return 1
+    return 1 + self.num_speculative_blocks
 
   def max_memory_usage_bytes(self, max_model_len: int) -> int:
-    return self.page_size_bytes
+    return self.max_num_blocks_per_req(max_model_len) * self.page_size_bytes

@@ -63,7 +63,7 @@ class Runner:
         req += [r] * n
       pad = NUM_TOKENS - len(tok)
       inp = StepInputs(jnp.asarray(tok + [0] * pad, jnp.int32), jnp.asarray(pos + [0] * pad, jnp.int32),
-                       jnp.asarray(req + [-1] * pad, jnp.int32), bt, nb)
+                       jnp.asarray(req + [-1] * pad, jnp.int32), bt, nb, jnp.zeros(len(ids), jnp.int32))
       logits, self.caches = self.step_fn(self.caches, inp)
       logits = np.asarray(logits)
       for i, (r, p) in enumerate(zip(req, pos)):

@@ -64,6 +64,10 @@ class Request:
   row: int = -1  # block-table row while running
   num_preemptions: int = 0
   finish_reason: str | None = None
+  # Speculative decoding: drafts for the positions after the last token, verified next step, and
+  # the KDA state slot the next step continues from (the last one unless drafts were rejected).
+  spec_token_ids: list[int] = dataclasses.field(default_factory=list)
+  state_slot: int = 0
 
   @property
   def all_token_ids(self) -> list[int]:

@@ -1,4 +1,5 @@
-"""Sampling on device: greedy, temperature, top-p, per-request seeds; top-k log-probabilities."""
+"""Sampling on device: greedy, temperature, top-p, per-request seeds, speculative verification
+(rejection sampling of greedy drafts); top-k log-probabilities."""
 
 from __future__ import annotations
 
@@ -12,31 +13,67 @@ __all__ = ["sample"]
 
 
 def sample(
-    logits: Float[Array, "R V"],
+    logits: Float[Array, "R S V"],
     temperature: Float[Array, "R"],
     top_p: Float[Array, "R"],
     seeds: Int[Array, "R"],
     steps: Int[Array, "R"],
-) -> tuple[Int[Array, "R"], Float[Array, "R K"], Int[Array, "R K"]]:
-  """Next token per row and the top ``MAX_LOGPROBS`` log-probabilities of the raw distribution.
+    draft_ids: Int[Array, "R S-1"],
+    num_drafts: Int[Array, "R"],
+) -> tuple[Int[Array, "R S"], Int[Array, "R"], Float[Array, "R S K"], Int[Array, "R S K"]]:
+  """Verifies each row's drafts and samples its next tokens.
 
-  Rows with ``temperature == 0`` take the argmax (lowest id on ties). Others sample from
-  ``softmax(logits / temperature)`` restricted to the smallest set of tokens whose mass reaches
-  ``top_p``, with the key ``fold_in(key(seed), step)``: a row's draw depends on its own seed and
-  output index only, never on the batch it shares.
+  Row ``r`` has the target's logits at ``S`` consecutive positions: position ``i`` scores the token
+  after draft ``i`` (position 0: after the last committed token). Drafts are verified in order and
+  the first rejection ends them (vLLM's rejection sampler with a greedy drafter, whose proposal is a
+  point mass):
+
+  * ``temperature == 0``: draft ``i`` is accepted iff it is the argmax (lowest id on ties) at ``i``;
+    the token at the first mismatch, or after the last draft, is that argmax. Tokens are therefore
+    those of plain greedy decoding, whatever the drafts.
+  * otherwise, with ``p_i = softmax(logits_i / temperature)`` restricted to the top-p nucleus:
+    draft ``d`` is accepted with probability ``p_i(d)``; on rejection the token is drawn from
+    ``p_i`` without ``d`` (renormalized), and after all drafts from ``p_{S'}``. Each emitted token is
+    distributed exactly as ``p`` (speculative sampling, Leviathan et al. 2023). Token ``j`` of a row
+    uses the key ``fold_in(key(seed), steps + j)``, so draws never depend on the batch.
+
+  Args:
+    logits: ``[R, S, V]``.
+    temperature, top_p, seeds: per row. steps: output index of the row's first token this step.
+    draft_ids: ``[R, S-1]`` drafts (entries past ``num_drafts`` are ignored).
+    num_drafts: ``[R]`` drafts to verify, ``0 .. S-1``.
+
+  Returns:
+    ``tokens [R, S]`` (entries ``0 .. num_accepted`` are the row's new tokens), ``num_accepted
+    [R]``, and the top ``MAX_LOGPROBS`` log-probabilities ``[R, S, K]`` of the raw distribution with
+    their ids.
   """
+  r, s, v = logits.shape
   logits = logits.astype(jnp.float32)
   logprobs = jax.nn.log_softmax(logits, axis=-1)
   top_lp, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
-  greedy = jnp.argmax(logits, axis=-1)
-  scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+  greedy = jnp.argmax(logits, axis=-1)  # [R, S]
+  hot = temperature > 0
+  scaled = logits / jnp.where(hot, temperature, 1.0)[:, None, None]
   order = jnp.argsort(-scaled, axis=-1)
   sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
   probs = jax.nn.softmax(sorted_logits, axis=-1)
   # Keep a token if the mass before it is < top_p (the first token is always kept).
-  keep_sorted = (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
-  keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
-  masked = jnp.where(keep, scaled, -jnp.inf)
-  keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, steps)
-  drawn = jax.vmap(jax.random.categorical)(keys, masked)
-  return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32), top_lp, top_ids.astype(jnp.int32)
+  keep_sorted = (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None, None]
+  keep = jnp.put_along_axis(jnp.zeros_like(keep_sorted), order, keep_sorted, axis=-1, inplace=False)
+  masked = jnp.where(keep, scaled, -jnp.inf)  # [R, S, V] log-weights of p_i
+
+  idx = jnp.arange(s)
+  is_draft = idx[None, :] < num_drafts[:, None]  # [R, S]: position i verifies draft i
+  drafts = jnp.concatenate([draft_ids, jnp.zeros((r, 1), draft_ids.dtype)], axis=1).astype(jnp.int32)
+  keys = jax.vmap(lambda sd, st: jax.vmap(lambda i: jax.random.fold_in(jax.random.key(sd), st + i))(idx))(seeds, steps)
+  p_draft = jnp.take_along_axis(jax.nn.softmax(masked, axis=-1), drafts[..., None], axis=-1)[..., 0]
+  u = jax.vmap(jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1))))(keys)
+  accept = jnp.where(hot[:, None], u < p_draft, drafts == greedy) & is_draft
+  num_accepted = jnp.sum(jnp.cumprod(accept, axis=1), axis=1).astype(jnp.int32)
+  # At a rejected draft the token comes from p without the draft; after the drafts, from p.
+  residual = jnp.where(is_draft[..., None] & (jnp.arange(v) == drafts[..., None]), -jnp.inf, masked)
+  drawn = jax.vmap(jax.vmap(jax.random.categorical))(keys, residual)
+  tokens = jnp.where(hot[:, None], drawn, greedy)
+  tokens = jnp.where(idx[None, :] < num_accepted[:, None], drafts, tokens)
+  return tokens.astype(jnp.int32), num_accepted, top_lp, top_ids.astype(jnp.int32)

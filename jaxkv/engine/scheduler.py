@@ -22,22 +22,27 @@ __all__ = ["Scheduler", "ScheduledChunk"]
 @dataclasses.dataclass(frozen=True)
 class ScheduledChunk:
   """``num_tokens`` tokens of ``request`` from position ``start``; ``samples``: the chunk reaches
-  the request's last token, whose logits pick the next one (fixed when scheduled)."""
+  the request's last token, whose logits pick the next one (fixed when scheduled);
+  ``num_drafts``: speculative tokens after it, verified in the same step."""
 
   request: Request
   start: int
   num_tokens: int
   samples: bool
+  num_drafts: int = 0
 
 
 class Scheduler:
 
   def __init__(self, kv_manager: KVCacheManager, block_tables: MultiGroupBlockTable, *, max_num_reqs: int,
-               max_num_batched_tokens: int):
+               max_num_batched_tokens: int, num_lookahead_tokens: int = 0):
+    """``num_lookahead_tokens``: slots past the scheduled tokens that a sampling chunk also needs
+    (the MTP draft steps write the draft positions)."""
     self.kv = kv_manager
     self.tables = block_tables
     self.max_num_reqs = max_num_reqs
     self.budget = max_num_batched_tokens
+    self.lookahead = num_lookahead_tokens
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
     self.free_rows = list(range(max_num_reqs - 1, -1, -1))
@@ -70,23 +75,32 @@ class Scheduler:
     self.running.remove(request)
     self._release(request)
     request.num_computed_tokens = 0
+    request.spec_token_ids = []
     request.status = RequestStatus.WAITING
     request.num_preemptions += 1
     self.num_preemptions += 1
     self.waiting.appendleft(request)
 
   def _allocate(self, request: Request, n: int) -> bool:
-    new = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n,
-                                 num_computed_tokens=request.num_computed_tokens)
+    end = request.num_computed_tokens + n
+    if end >= request.num_tokens:
+      end += self.lookahead
+    new = self.kv.allocate_slots(request.request_id, end, num_computed_tokens=request.num_computed_tokens)
     if new is None:
       return False
     self.tables.append_row(new, request.row)
     return True
 
   @staticmethod
+  def _pending(request: Request) -> int:
+    """Tokens not yet computed: the rest of the prompt and outputs, then the drafts to verify."""
+    return request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens
+
+  @staticmethod
   def _chunk(request: Request, n: int) -> ScheduledChunk:
     start = request.num_computed_tokens
-    return ScheduledChunk(request, start, n, start + n == request.num_tokens)
+    end = start + n
+    return ScheduledChunk(request, start, n, end >= request.num_tokens, max(0, end - request.num_tokens))
 
   def schedule(self) -> list[ScheduledChunk]:
     budget = self.budget
@@ -96,7 +110,7 @@ class Scheduler:
         break
       if request not in self.running:  # preempted below by an earlier request
         continue
-      n = min(request.num_tokens - request.num_computed_tokens, budget)
+      n = min(self._pending(request), budget)
       while not self._allocate(request, n):
         # The latest arrival not already scheduled this step gives its blocks back.
         scheduled = {id(c.request) for c in chunks}
@@ -109,7 +123,7 @@ class Scheduler:
         budget -= n
     while self.waiting and budget > 0 and self.free_rows:
       request = self.waiting[0]
-      n = min(request.num_tokens - request.num_computed_tokens, budget)
+      n = min(self._pending(request), budget)
       request.row = self.free_rows.pop()
       if not self._allocate(request, n):
         self.free_rows.append(request.row)

@@ -53,6 +53,8 @@ class Glm5NextConfig:
   rms_norm_eps: float
   num_nextn_predict_layers: int
   max_position_embeddings: int
+  # MTP draft steps >= 1 reuse step 0's index row (vLLM's proposer; a drafting approximation).
+  index_share_for_mtp_iteration: bool = True
   pad_token_id: int
   eos_token_id: tuple[int, ...] = ()
   tie_word_embeddings: bool = False
@@ -127,6 +129,7 @@ class Glm5NextConfig:
         hc_sinkhorn_iters=cfg.get("hc_sinkhorn_iters", 20),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
         num_nextn_predict_layers=cfg.get("num_nextn_predict_layers", 0),
+        index_share_for_mtp_iteration=bool(cfg.get("index_share_for_mtp_iteration", True)),
         max_position_embeddings=cfg.get("max_position_embeddings", 1048576),
         pad_token_id=cfg.get("pad_token_id", 154820),
         eos_token_id=eos,

@@ -67,7 +67,7 @@ def get_kv_cache_layers(
     state_dtype: str = "bfloat16",
     num_speculative_tokens: int = 0,
 ) -> list[KVCacheLayer]:
-  """Every cache of the text tower, in layer order.
+  """Every cache of the text tower (and of the MTP layer when drafting), in layer order.
 
   Args:
     block_size: manager block size for the token caches.
@@ -75,14 +75,22 @@ def get_kv_cache_layers(
     indexer_cache_dtype: pooled indexer keys: ``"fp8"`` (132-byte rows, as vLLM serves them) or
       ``"bfloat16"`` / ``"float32"`` (exact runs).
     state_dtype: the tail ring's raw keys and gates and the KDA conv windows (model dtype).
-    num_speculative_tokens: drafts per step; widens the tail ring.
+    num_speculative_tokens: MTP drafts per step: adds the MTP layer's own DSA caches (layer index
+      ``num_hidden_layers``), widens the tail rings and gives each KDA layer one state slot per
+      draft (the rollback of rejected drafts).
   """
+  if num_speculative_tokens < 0:
+    raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}.")
+  if num_speculative_tokens and not config.num_nextn_predict_layers:
+    raise ValueError(f"num_speculative_tokens={num_speculative_tokens} drafts with the MTP layer, but this config has "
+                     "num_nextn_predict_layers=0 (the checkpoint has no layers.N.* MTP tensors); use 0.")
   kpool = config.index_kpool
   ring = tail_ring_size(kpool, num_speculative_tokens)
   idx_backend = indexer_backend(kpool)
   conv_width = config.linear_num_heads * config.linear_head_dim
+  kinds = list(config.layer_types) + (["indexed_attention"] if num_speculative_tokens else [])
   layers: list[KVCacheLayer] = []
-  for i, kind in enumerate(config.layer_types):
+  for i, kind in enumerate(kinds):
     prefix = f"layers.{i}.self_attn"
     if kind == "indexed_attention":
       layers.append(KVCacheLayer(
@@ -111,7 +119,8 @@ def get_kv_cache_layers(
           f"{prefix}.kda",
           # q, k, v conv windows, then the fp32 delta-rule state.
           LinearAttentionStateSpec(block_size=block_size, shapes=((k, conv_width),) * 3 + ((h, d, d),),
-                                   dtypes=(state_dtype,) * 3 + ("float32",)),
+                                   dtypes=(state_dtype,) * 3 + ("float32",),
+                                   num_speculative_blocks=num_speculative_tokens),
           KDA_BACKEND,
       ))
   return layers

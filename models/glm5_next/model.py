@@ -483,13 +483,21 @@ class MTPLayer(nnx.Module):
     self.mlp = MoE(config, dtype=dtype, rngs=rngs)
     self.shared_head_norm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
 
-  def __call__(self, hidden, next_embeds, positions):
-    """``hidden [B, T, D]`` (post final norm) and the next tokens' embeddings -> draft hidden ``h'``."""
+  def fuse(self, hidden, next_embeds, positions):
+    """``z = W_eh [enorm(e_{t+1}) | hnorm(h_t)]``, the embedding zeroed at position 0."""
     e = jnp.where((positions == 0)[..., None], 0.0, next_embeds).astype(hidden.dtype)
-    z = self.eh_proj(jnp.concatenate([self.enorm(e), self.hnorm(hidden)], axis=-1))
-    z = z + self.self_attn(self.input_layernorm(z))[0]
+    return self.eh_proj(jnp.concatenate([self.enorm(e), self.hnorm(hidden)], axis=-1))
+
+  def finish(self, z, attn_out):
+    """The residual attention output, the MoE and the shared-head norm: the draft hidden ``h'``."""
+    z = z + attn_out
     z = z + self.mlp(self.post_attention_layernorm(z))
     return self.shared_head_norm(z)
+
+  def __call__(self, hidden, next_embeds, positions):
+    """``hidden [B, T, D]`` (post final norm) and the next tokens' embeddings -> draft hidden ``h'``."""
+    z = self.fuse(hidden, next_embeds, positions)
+    return self.finish(z, self.self_attn(self.input_layernorm(z))[0])
 
 
 class Glm5NextForCausalLM(nnx.Module):

@@ -23,7 +23,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Int
+from jaxtyping import Array, Float, Int
 
 from jaxkv.kv_cache_config import KVCacheConfig
 from jaxkv.slot_mapping import compute_circular_slot_mapping, compute_compressed_slot_mapping, compute_slot_mapping
@@ -34,7 +34,7 @@ from pallas_kernels.paged_mqa_logits import paged_mqa_logits
 from pallas_kernels.sparse_mla_decode import sparse_mla_decode
 from pallas_kernels.topk_selection import select_topk_tokens
 
-__all__ = ["PagedLayout", "StepInputs", "paged_forward"]
+__all__ = ["PagedLayout", "StepInputs", "paged_forward", "paged_hidden_states", "paged_mtp_forward"]
 
 _HP = jax.lax.Precision.HIGHEST
 
@@ -48,6 +48,8 @@ class StepInputs:
     input_ids, positions, req_indices: int32 ``[T]`` (padding tokens: ``req_indices == -1``).
     block_tables: per KV-cache group, int32 ``[max_num_reqs, width]`` manager block ids.
     num_blocks: per group, int32 ``[max_num_reqs]``.
+    state_slots: int32 ``[max_num_reqs]``: the KDA state slot each request continues from (the
+      last slot, ``num_speculative_tokens``, unless the previous step rejected drafts).
   """
 
   input_ids: Int[Array, "T"]
@@ -55,6 +57,7 @@ class StepInputs:
   req_indices: Int[Array, "T"]
   block_tables: tuple[Int[Array, "R W"], ...]
   num_blocks: tuple[Int[Array, "R"], ...]
+  state_slots: Int[Array, "R"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,58 +117,82 @@ def _kernel_table(ref: _CacheRef, table):
 
 
 def _kda_step(attn, x, caches, ref: _CacheRef, inputs: StepInputs, state_dtype: str):
-  """KDA over the flat batch: each request's state slot read, advanced token by token, written back."""
+  """KDA over the flat batch on each request's state slots (its row of the layer's state group).
+
+  A request owns ``S = 1 + num_speculative_tokens`` slots. The step continues from slot
+  ``inputs.state_slots[r]``, advances token by token, and writes the state after each of the
+  request's last ``S`` tokens in the step to slots ``0 .. S-1`` in order (the last token's to slot
+  ``S-1``). After a verify step whose last ``n`` drafts were rejected, the state after the last
+  accepted token is in slot ``S-1-n``: the host passes that slot next step, which is the rollback.
+  """
   h, k, kw = attn.h, attn.k, attn.kw
   c = h * k
-  rows = inputs.block_tables[ref.group][:, 0]  # [R] one state block per request
-  num_reqs = rows.shape[0]
+  table = inputs.block_tables[ref.group]  # [R, S] state blocks
+  num_reqs, num_slots = table.shape
   arr = caches[ref.tensor]
   sdt = jnp.dtype(state_dtype)
   conv_bytes = (kw - 1) * 3 * c * sdt.itemsize
   rec_bytes = h * k * k * 4
   cols = ref.page_offset + jnp.arange(conv_bytes + rec_bytes)
-  raw = arr[rows[:, None], cols]  # [R, page]
+  raw = arr[jnp.take_along_axis(table, inputs.state_slots[:, None], axis=1), cols]  # [R, page]
   conv = jax.lax.bitcast_convert_type(raw[:, :conv_bytes].reshape(num_reqs, 3, kw - 1, c, sdt.itemsize), sdt)
   conv = jnp.concatenate([conv[:, 0], conv[:, 1], conv[:, 2]], axis=-1)  # [R, kw-1, 3C]
   rec = jax.lax.bitcast_convert_type(raw[:, conv_bytes:].reshape(num_reqs, h, k, k, 4), jnp.float32)
   # Requests with tokens in this step; one whose first token is position 0 starts from zero state
   # (its block may be recycled and hold another request's bytes).
-  seen = jnp.where(inputs.req_indices >= 0, inputs.req_indices, num_reqs)
+  req, pos = inputs.req_indices, inputs.positions
+  seen = jnp.where(req >= 0, req, num_reqs)
   fresh = jnp.zeros((num_reqs,), bool).at[seen].set(True, mode="drop")
-  first_pos = jnp.full((num_reqs,), 2**30, jnp.int32).at[seen].min(inputs.positions, mode="drop")
+  first_pos = jnp.full((num_reqs,), 2**30, jnp.int32).at[seen].min(pos, mode="drop")
+  last_pos = jnp.full((num_reqs,), -1, jnp.int32).at[seen].max(pos, mode="drop")
   starts_at_zero = fresh & (first_pos == 0)
   conv = jnp.where(starts_at_zero[:, None, None], 0, conv).astype(x.dtype)
   rec = jnp.where(starts_at_zero[:, None, None, None], 0.0, rec)
+  # Slot of each token's resulting state; out of range (dropped) for the earlier tokens of a chunk.
+  slot = (num_slots - 1) - (last_pos[jnp.maximum(req, 0)] - pos)
+  slot = jnp.where((req >= 0) & (slot >= 0), slot, num_slots)
+  written = jnp.zeros((num_reqs, num_slots), bool).at[seen, slot].set(True, mode="drop")
 
   mixed = attn.project(x)  # [T, 3C]
   g, beta = attn.gates(x)  # [T, H, K], [T, H]
 
-  # Token by token, each on its own request's state: a ragged batch in one scan.
+  # Token by token, each on its own request's state: a ragged batch in one scan. Updates of
+  # padding tokens go out of range and are dropped, so every update is an in-place scatter.
   def step(carry, inp):
-    conv_s, rec_s = carry
-    r, m, gt, bt = inp
-    valid = r >= 0
+    conv_s, rec_s, conv_slots, rec_slots = carry
+    r, sl, m, gt, bt = inp
     rr = jnp.maximum(r, 0)
     window = jnp.concatenate([conv_s[rr], m[None]], axis=0)  # [kw, 3C]
     q, kk, v = attn.conv_qkv(window, x.dtype)
     s, o = delta_rule_step(rec_s[rr], q, kk, v, gt, bt)
-    conv_s = jnp.where(valid, conv_s.at[rr].set(window[1:]), conv_s)
-    rec_s = jnp.where(valid, rec_s.at[rr].set(s), rec_s)
-    return (conv_s, rec_s), o
+    dst = jnp.where(r >= 0, r, num_reqs)
+    conv_s = conv_s.at[dst].set(window[1:], mode="drop")
+    rec_s = rec_s.at[dst].set(s, mode="drop")
+    conv_slots = conv_slots.at[dst, sl].set(window[1:], mode="drop")
+    rec_slots = rec_slots.at[dst, sl].set(s, mode="drop")
+    return (conv_s, rec_s, conv_slots, rec_slots), o
 
-  (conv, rec), o = jax.lax.scan(step, (conv, rec), (inputs.req_indices, mixed, g, beta))
+  init = (conv, rec, jnp.zeros((num_reqs, num_slots) + conv.shape[1:], conv.dtype),
+          jnp.zeros((num_reqs, num_slots) + rec.shape[1:], rec.dtype))
+  (_, _, conv_slots, rec_slots), o = jax.lax.scan(step, init, (req, slot, mixed, g, beta))
   y = attn.output(o, x)
-  # Write back the slots of the requests that had tokens in this step.
-  conv_parts = jnp.split(conv.astype(sdt), 3, axis=-1)
-  new = jnp.concatenate([jax.lax.bitcast_convert_type(p, jnp.uint8).reshape(num_reqs, -1) for p in conv_parts]
-                        + [jax.lax.bitcast_convert_type(rec, jnp.uint8).reshape(num_reqs, -1)], axis=1)
-  dest = jnp.where(fresh, rows, arr.shape[0])
-  caches = {**caches, ref.tensor: arr.at[dest[:, None], cols].set(new, mode="drop")}
+  # Write back the slots this step produced.
+  conv_parts = jnp.split(conv_slots.astype(sdt), 3, axis=-1)
+  new = jnp.concatenate(
+      [jax.lax.bitcast_convert_type(p, jnp.uint8).reshape(num_reqs, num_slots, -1) for p in conv_parts]
+      + [jax.lax.bitcast_convert_type(rec_slots, jnp.uint8).reshape(num_reqs, num_slots, -1)], axis=2)
+  dest = jnp.where(written, table, arr.shape[0])
+  caches = {**caches, ref.tensor: arr.at[dest[:, :, None], cols].set(new, mode="drop")}
   return y, caches
 
 
-def _dsa_step(attn, x, caches, layout: PagedLayout, name: str, inputs: StepInputs, prev_indices, implementation):
-  """Sparse MLA over the paged latent cache with the pooled indexer; returns ``(y, caches, indices)``."""
+def _dsa_step(attn, x, caches, layout: PagedLayout, name: str, inputs: StepInputs, prev_indices, implementation,
+              *, share_indices: bool = False):
+  """Sparse MLA over the paged latent cache with the pooled indexer; returns ``(y, caches, indices)``.
+
+  ``prev_indices`` are attended with instead of running the indexer in layers without one, and
+  everywhere when ``share_indices`` (no scoring, no indexer-cache write).
+  """
   t = x.shape[0]
   mla, idx, tail = (layout.ref(f"{name}.{s}") for s in ("mla", "indexer", "indexer_tail"))
   req, pos = inputs.req_indices, inputs.positions
@@ -177,7 +204,7 @@ def _dsa_step(attn, x, caches, layout: PagedLayout, name: str, inputs: StepInput
   caches[mla.tensor] = write_to_paged_cache(caches[mla.tensor], encode_entries(c_kv, layout.kv_cache_dtype), slots,
                                             tokens_per_row=mla.tokens_per_row, page_offset_bytes=mla.page_offset,
                                             implementation=implementation)
-  if attn.indexer is not None:
+  if attn.indexer is not None and not share_indices:
     ind = attn.indexer
     q, key, gate, w = ind.project(x[None], q_resid[None])
     q, key, gate, w = q[0], key[0], gate[0], w[0]
@@ -218,9 +245,9 @@ def _dsa_step(attn, x, caches, layout: PagedLayout, name: str, inputs: StepInput
   return attn.o_proj(o.reshape(t, -1)), caches, indices
 
 
-def paged_forward(model: Glm5NextForCausalLM, caches: dict[str, jax.Array], inputs: StepInputs, layout: PagedLayout,
-                  *, implementation: str = "xla", logits_indices: Int[Array, "S"] | None = None):
-  """One step: logits ``[T, V]`` of every token (or ``[S, V]`` of ``logits_indices``) and the caches.
+def paged_hidden_states(model: Glm5NextForCausalLM, caches: dict[str, jax.Array], inputs: StepInputs,
+                        layout: PagedLayout, *, implementation: str = "xla"):
+  """One step of the trunk: post-final-norm hidden states ``[T, D]`` and the updated caches.
 
   Args:
     model: the Flax model.
@@ -229,8 +256,6 @@ def paged_forward(model: Glm5NextForCausalLM, caches: dict[str, jax.Array], inpu
     inputs: the step's tokens and block tables.
     layout: ``PagedLayout.build(plan, ...)``.
     implementation: the kernels' switch, ``"pallas"`` or ``"xla"``.
-    logits_indices: the tokens whose logits are needed (each sampling request's last token);
-      the head then runs on those rows only.
   """
   config = model.config
   x_e = model.embed_tokens[...][inputs.input_ids]
@@ -248,7 +273,39 @@ def paged_forward(model: Glm5NextForCausalLM, caches: dict[str, jax.Array], inpu
     post, comb, u = layer.ffn_hc(streams)
     z = layer.mlp(layer.post_attention_layernorm(u))
     streams = HyperConnection.expand(post, comb, z, streams)
-  hidden = model.norm(jnp.mean(streams, axis=2))[0]
+  return model.norm(jnp.mean(streams, axis=2))[0], caches
+
+
+def paged_forward(model: Glm5NextForCausalLM, caches: dict[str, jax.Array], inputs: StepInputs, layout: PagedLayout,
+                  *, implementation: str = "xla", logits_indices: Int[Array, "S"] | None = None):
+  """One step: logits ``[T, V]`` of every token (or ``[S, V]`` of ``logits_indices``) and the caches.
+
+  ``logits_indices``: the tokens whose logits are needed (each sampling request's last token); the
+  head then runs on those rows only. Other arguments as ``paged_hidden_states``.
+  """
+  hidden, caches = paged_hidden_states(model, caches, inputs, layout, implementation=implementation)
   if logits_indices is not None:
     hidden = hidden[jnp.maximum(logits_indices, 0)]
   return model.logits(hidden), caches
+
+
+def paged_mtp_forward(model: Glm5NextForCausalLM, caches: dict[str, jax.Array], hidden: Float[Array, "T D"],
+                      next_ids: Int[Array, "T"], inputs: StepInputs, layout: PagedLayout, *,
+                      implementation: str = "xla", shared_indices: Int[Array, "T W"] | None = None):
+  """The MTP layer over a step's tokens: draft hidden ``h' [T, D]``, the caches and the index rows.
+
+  Token ``t`` at position ``p`` combines the trunk's hidden ``h_p`` with the embedding of the token
+  at ``p + 1`` (``next_ids``; zeroed at position 0) and writes the MTP layer's own latent, pooled-key
+  and tail-ring caches (layer index ``num_hidden_layers``) at ``p``; ``model.logits(h')`` drafts
+  the token at ``p + 2``.
+
+  Args:
+    shared_indices: index rows ``[T, W]`` to attend with instead of running the indexer (draft
+      steps >= 1 under ``index_share_for_mtp_iteration``: no scoring, no indexer-cache write).
+  """
+  mtp = model.mtp
+  name = f"layers.{model.config.num_hidden_layers}.self_attn"
+  z = mtp.fuse(hidden, model.embed_tokens[...][next_ids], inputs.positions)
+  y, caches, indices = _dsa_step(mtp.self_attn, mtp.input_layernorm(z), caches, layout, name, inputs, shared_indices,
+                                 implementation, share_indices=shared_indices is not None)
+  return mtp.finish(z, y), caches, indices
