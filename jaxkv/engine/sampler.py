@@ -45,13 +45,13 @@ def sample(
 
   Returns:
     ``tokens [R, S]`` (entries ``0 .. num_accepted`` are the row's new tokens), ``num_accepted
-    [R]``, and the top ``MAX_LOGPROBS`` log-probabilities ``[R, S, K]`` of the raw distribution with
+    [R]``, and the top ``MAX_LOGPROBS`` log-probabilities ``[R, S, K]`` of the raw distribution (K = min(MAX_LOGPROBS, V)) with
     their ids.
   """
   r, s, v = logits.shape
   logits = logits.astype(jnp.float32)
   logprobs = jax.nn.log_softmax(logits, axis=-1)
-  top_lp, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
+  top_lp, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, v))
   greedy = jnp.argmax(logits, axis=-1)  # [R, S]
   hot = temperature > 0
   scaled = logits / jnp.where(hot, temperature, 1.0)[:, None, None]
