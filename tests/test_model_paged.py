@@ -13,7 +13,7 @@ from flax import nnx
 from jaxkv import plan_kv_cache
 from kernel_utils import random_tables
 from models.glm5_next import Glm5NextForCausalLM, get_config, get_kv_cache_layers
-from models.glm5_next.paged import PagedLayout, StepInputs, paged_forward
+from models.glm5_next.paged import PagedLayout, StepInputs, paged_forward, paged_hidden_states, paged_mtp_forward
 
 CFG = get_config("glm-5.3-flash-tiny")
 NUM_TOKENS = 32  # one bucket for every step
@@ -25,9 +25,9 @@ def model():
 
 
 @functools.lru_cache(maxsize=None)
-def setup(layout, kv_dtype="float32", idx_dtype="float32", block_size=512):
+def setup(layout, kv_dtype="float32", idx_dtype="float32", block_size=512, num_spec=0):
   layers = get_kv_cache_layers(CFG, block_size=block_size, kv_cache_dtype=kv_dtype, indexer_cache_dtype=idx_dtype,
-                               state_dtype="float32")
+                               state_dtype="float32", num_speculative_tokens=num_spec)
   plan = plan_kv_cache(layers, block_size=block_size, memory_bytes=64 << 20, max_model_len=1024, layout=layout)
   return plan, PagedLayout.build(plan, kv_cache_dtype=kv_dtype, indexer_cache_dtype=idx_dtype,
                                  state_dtype="float32")
@@ -128,3 +128,33 @@ def test_fp8_indexer_and_bf16_latent_serving_precision(model):
   # bf16 latents: ~3 significant digits in the attended values.
   np.testing.assert_allclose(got, want, atol=0.05 * np.abs(want).max(), rtol=0)
   assert np.array_equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_mtp_layer_paged_equals_reference(model):
+  """The MTP pass over a prefill split mid-pool (its own latent, pooled-key and ring caches) equals
+  the reference MTP layer on the reference hidden states, embedding zeroed at position 0."""
+  rng = np.random.default_rng(6)
+  ids = list(rng.integers(1, 256, 23))
+  plan, layout = setup("packed", num_spec=2)
+  tables = random_tables(plan, 1, [25], rng)
+  caches = {t.name: jnp.asarray(rng.integers(0, 256, (t.num_rows, t.row_bytes), dtype=np.uint8)) for t in plan.tensors}
+  bt = tuple(jnp.asarray(t.block_table) for t in tables.block_tables)
+  nb = tuple(jnp.asarray(t.num_blocks_per_row) for t in tables.block_tables)
+  slots = jnp.full((1,), 2, jnp.int32)
+
+  @jax.jit
+  def step(caches, inputs, next_ids):
+    hidden, caches = paged_hidden_states(model, caches, inputs, layout)
+    return paged_mtp_forward(model, caches, hidden, next_ids, inputs, layout)
+
+  got = []
+  for start, n in ((0, 10), (10, 12)):  # 10: mid-pool; the MTP needs the token after each
+    pad = NUM_TOKENS - n
+    inp = StepInputs(jnp.asarray(ids[start:start + n] + [0] * pad, jnp.int32),
+                     jnp.asarray(list(range(start, start + n)) + [0] * pad, jnp.int32),
+                     jnp.asarray([0] * n + [-1] * pad, jnp.int32), bt, nb, slots)
+    h, caches, _ = step(caches, inp, jnp.asarray(ids[start + 1:start + n + 1] + [0] * pad, jnp.int32))
+    got.append(np.asarray(h[:n]))
+  hidden = model.hidden_states(jnp.asarray([ids]))[:, :22]
+  want = model.mtp(hidden, model.embed_tokens[...][jnp.asarray([ids[1:]])], jnp.arange(22)[None])[0]
+  np.testing.assert_allclose(np.concatenate(got), np.asarray(want), atol=5e-5, rtol=0)
