@@ -120,7 +120,8 @@ def _engine_config(args, max_len):
       block_size=args.block_size, kernel_block_size=args.kernel_block_size, layout=args.layout,
       memory_bytes=int(args.memory_gib * 2**30), max_model_len=max_len, max_num_reqs=args.max_num_reqs,
       max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
-      indexer_cache_dtype=args.indexer_cache_dtype, state_dtype=args.dtype, implementation=args.implementation)
+      indexer_cache_dtype=args.indexer_cache_dtype, state_dtype=args.dtype, implementation=args.implementation,
+      num_speculative_tokens=args.num_spec)
 
 
 def _prompts(args, config) -> list[list[int]]:
@@ -177,7 +178,8 @@ def cmd_generate(args) -> int:
                              "finish_reason": r.finish_reason,
                              "logprobs": [[[i, v] for i, v in step] for step in r.output_logprobs]} for r in reqs],
                "steps": engine.num_steps, "compilations": engine.num_compilations,
-               "preemptions": engine.scheduler.num_preemptions}, sys.stdout)
+               "preemptions": engine.scheduler.num_preemptions, "num_spec": args.num_spec,
+               "draft_tokens": engine.num_draft_tokens, "accepted_tokens": engine.num_accepted_tokens}, sys.stdout)
     sys.stdout.write("\n")
   else:
     for i, r in enumerate(reqs):
@@ -185,6 +187,8 @@ def cmd_generate(args) -> int:
       for step, lps in zip(r.output_token_ids, r.output_logprobs):
         if lps:
           print(f"     {step}: " + ", ".join(f"{t}:{v:.4f}" for t, v in lps))
+    if args.num_spec:
+      print(f"drafts: {engine.num_accepted_tokens}/{engine.num_draft_tokens} accepted in {engine.num_steps} steps")
   return 0
 
 
@@ -209,15 +213,19 @@ def cmd_bench(args) -> int:
   warm = engine.num_compilations
   engine.step()  # first pure decode step compiles its bucket
   compiled_warm = engine.num_compilations
-  lat = []
+  lat, tokens = [], 0
+  drafted, accepted = engine.num_draft_tokens, engine.num_accepted_tokens
   while engine.has_unfinished():
     t = time.perf_counter()
-    engine.step()
+    outs = engine.step()
     lat.append(time.perf_counter() - t)
+    tokens += sum(len(o.new_token_ids) for o in outs)
   lat_ms = np.asarray(lat) * 1e3
+  drafted, accepted = engine.num_draft_tokens - drafted, engine.num_accepted_tokens - accepted
   result = {"config": args.config or ("checkpoint" if args.model_path else "glm-5.3-flash-tiny"),
-            "batch": args.batch, "context": args.context, "decode_steps": len(lat),
-            "prefill_s": prefill_s, "decode_tokens_per_s": args.batch * len(lat) / max(sum(lat), 1e-9),
+            "batch": args.batch, "context": args.context, "decode_steps": len(lat), "decode_tokens": tokens,
+            "prefill_s": prefill_s, "decode_tokens_per_s": tokens / max(sum(lat), 1e-9),
+            "num_spec": args.num_spec, "acceptance_rate": accepted / drafted if drafted else None,
             "step_ms_p50": float(np.percentile(lat_ms, 50)), "step_ms_p90": float(np.percentile(lat_ms, 90)),
             "step_ms_p99": float(np.percentile(lat_ms, 99)), "compilations_after_prefill": warm,
             "compilations_after_warmup": compiled_warm, "compilations_at_end": engine.num_compilations,
@@ -240,6 +248,8 @@ def _add_engine_args(p):
   p.add_argument("--kv-cache-dtype", choices=("float32", "bfloat16", "fp8"), default="float32")
   p.add_argument("--indexer-cache-dtype", choices=("float32", "bfloat16", "fp8"), default="float32")
   p.add_argument("--implementation", choices=("xla", "pallas"), default="xla", help="kernels")
+  p.add_argument("--num-spec", type=int, default=0,
+                 help="MTP speculative tokens per step (0: off; the model needs its MTP layer)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -38,6 +38,9 @@ def test_generate_json_on_the_embedded_model(capsys):
   a, b = out["requests"]
   assert len(a["output_token_ids"]) == 3 and a["output_token_ids"] == b["output_token_ids"]
   assert len(a["logprobs"][0]) == 2 and a["logprobs"][0][0][0] == a["output_token_ids"][0]
+  assert main(["generate", "--prompt-ids", "5,6,7,8,9,10", "--max-new-tokens", "3", "--num-spec", "2", "--json"]) == 0
+  spec = json.loads(capsys.readouterr().out)
+  assert spec["requests"][0]["output_token_ids"] == a["output_token_ids"] and spec["draft_tokens"] > 0
   assert main(["generate", "--prompt", "hello"]) == 2  # no tokenizer for a random model
   assert "--prompt-ids" in capsys.readouterr().err
 
