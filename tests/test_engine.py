@@ -1,9 +1,10 @@
 """Engine behaviour beyond equivalence: aborts, bad requests, sampling parameters."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv.engine import RequestStatus, SamplingParams
+from jaxkv.engine import EngineConfig, RequestStatus, SamplingParams
 from test_engine_equivalence import LLMEngine, cfg, model, prompts
 
 
@@ -55,3 +56,15 @@ def test_temperature_sampling_follows_the_distribution():
          for s in range(4)]
   assert len({tuple(h) for h in hot}) > 1
   assert all(0 <= t < 256 for h in hot for t in h)
+
+
+def test_warmup_compiles_every_bucket_and_writes_nothing():
+  engine = LLMEngine(model(), EngineConfig(max_num_batched_tokens=32, num_speculative_tokens=2))
+  rng = np.random.default_rng(0)
+  engine.caches = {k: jnp.asarray(rng.integers(0, 256, v.shape, dtype=np.uint8)) for k, v in engine.caches.items()}
+  before = {k: np.asarray(v) for k, v in engine.caches.items()}
+  assert engine.warmup() == len(engine.config.token_buckets) == 3  # 8, 16, 32
+  for k, v in engine.caches.items():
+    assert np.array_equal(np.asarray(v), before[k]), k
+  engine.generate(prompts(), SamplingParams(max_new_tokens=6))
+  assert engine.num_compilations == 3

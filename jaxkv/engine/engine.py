@@ -191,14 +191,27 @@ class LLMEngine:
 
   # -- step ------------------------------------------------------------------------------------
 
+  def warmup(self) -> int:
+    """Compiles the step for every token bucket before serving (vLLM captures its CUDA graphs at
+    start-up): one step of padding tokens per bucket, which writes nothing. Returns
+    ``num_compilations``."""
+    for bucket in self.config.token_buckets:
+      self._run([], bucket)
+    return self.num_compilations
+
   def step(self) -> list[RequestOutput]:
     chunks = self.scheduler.schedule()
     if not chunks:
       return []
+    n = sum(c.num_tokens for c in chunks)
+    out = self._run(chunks, next(b for b in self.config.token_buckets if b >= n))
+    self.num_steps += 1
+    return self._update(chunks, *out)
+
+  def _run(self, chunks, bucket: int):
+    """Lays the chunks out in ``bucket`` tokens, runs the jitted step; one transfer each way."""
     cfg = self.config
     k = cfg.num_speculative_tokens
-    n = sum(c.num_tokens for c in chunks)
-    bucket = next(b for b in cfg.token_buckets if b >= n)
     r = cfg.max_num_reqs
     input_ids = np.zeros(bucket, np.int32)
     positions = np.zeros(bucket, np.int32)
@@ -243,9 +256,7 @@ class LLMEngine:
          state_slots, sample_indices, next_ids, draft_ids, num_drafts, temperature, top_p, seeds, steps))
     inputs = StepInputs(ids_d, pos_d, req_d, tables_d, counts_d, slots_d)
     out, self.caches = self._step(self._params, self.caches, inputs, *rest)
-    out = jax.device_get(out)  # one transfer back
-    self.num_steps += 1
-    return self._update(chunks, *out)
+    return jax.device_get(out)  # one transfer back
 
   def _next_drafts(self, request: Request, drafts: list[int]) -> list[int]:
     """The drafts to verify next step (the MTP layer's); a seam for tests that force drafts."""
