@@ -64,16 +64,21 @@ def sample(
   masked = jnp.where(keep, scaled, -jnp.inf)  # [R, S, V] log-weights of p_i
 
   idx = jnp.arange(s)
+  keys = jax.vmap(lambda sd, st: jax.random.fold_in(jax.random.key(sd), st))(
+      jnp.repeat(seeds, s), (steps[:, None] + idx).reshape(-1))  # [R * S]
+  if s == 1:  # nothing to verify
+    drawn = jax.vmap(jax.random.categorical)(keys, masked.reshape(r, v)).reshape(r, 1)
+    tokens = jnp.where(hot[:, None], drawn, greedy)
+    return tokens.astype(jnp.int32), jnp.zeros((r,), jnp.int32), top_lp, top_ids.astype(jnp.int32)
   is_draft = idx[None, :] < num_drafts[:, None]  # [R, S]: position i verifies draft i
   drafts = jnp.concatenate([draft_ids, jnp.zeros((r, 1), draft_ids.dtype)], axis=1).astype(jnp.int32)
-  keys = jax.vmap(lambda sd, st: jax.vmap(lambda i: jax.random.fold_in(jax.random.key(sd), st + i))(idx))(seeds, steps)
   p_draft = jnp.take_along_axis(jax.nn.softmax(masked, axis=-1), drafts[..., None], axis=-1)[..., 0]
-  u = jax.vmap(jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1))))(keys)
+  u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys).reshape(r, s)
   accept = jnp.where(hot[:, None], u < p_draft, drafts == greedy) & is_draft
   num_accepted = jnp.sum(jnp.cumprod(accept, axis=1), axis=1).astype(jnp.int32)
   # At a rejected draft the token comes from p without the draft; after the drafts, from p.
   residual = jnp.where(is_draft[..., None] & (jnp.arange(v) == drafts[..., None]), -jnp.inf, masked)
-  drawn = jax.vmap(jax.vmap(jax.random.categorical))(keys, residual)
+  drawn = jax.vmap(jax.random.categorical)(keys, residual.reshape(r * s, v)).reshape(r, s)
   tokens = jnp.where(hot[:, None], drawn, greedy)
   tokens = jnp.where(idx[None, :] < num_accepted[:, None], drafts, tokens)
   return tokens.astype(jnp.int32), num_accepted, top_lp, top_ids.astype(jnp.int32)
