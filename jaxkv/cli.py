@@ -121,7 +121,7 @@ def _engine_config(args, max_len):
       memory_bytes=int(args.memory_gib * 2**30), max_model_len=max_len, max_num_reqs=args.max_num_reqs,
       max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
       indexer_cache_dtype=args.indexer_cache_dtype, state_dtype=args.dtype, implementation=args.implementation,
-      num_speculative_tokens=args.num_spec)
+      num_speculative_tokens=args.num_spec, buckets=args.buckets)
 
 
 def _prompts(args, config) -> list[list[int]]:
@@ -234,6 +234,13 @@ def cmd_bench(args) -> int:
   return 0
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+  try:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+
+
 def _add_engine_args(p):
   _add_model_args(p)
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights and state dtype")
@@ -250,6 +257,8 @@ def _add_engine_args(p):
   p.add_argument("--implementation", choices=("xla", "pallas"), default="xla", help="kernels")
   p.add_argument("--num-spec", type=int, default=0,
                  help="MTP speculative tokens per step (0: off; the model needs its MTP layer)")
+  p.add_argument("--buckets", type=_int_list, default=None,
+                 help="step token counts to compile, e.g. 32,512 (default: powers of two up to the budget)")
 
 
 def build_parser() -> argparse.ArgumentParser:
