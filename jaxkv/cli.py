@@ -202,12 +202,15 @@ def cmd_bench(args) -> int:
   config, model = _load_model(args)
   rng = np.random.default_rng(args.seed)
   prompts = [list(rng.integers(1, config.vocab_size, args.context)) for _ in range(args.batch)]
-  engine = LLMEngine(model, _engine_config(args, args.context + args.steps + 2))
+  # Requests prefilled early decode while later ones prefill: leave them room for that, so every
+  # request is still decoding during all `steps` timed steps.
+  prefill_steps = -(-args.batch * args.context // args.max_num_batched_tokens) + 1
+  new_tokens = (prefill_steps + args.steps) * (1 + args.num_spec) + 1
+  engine = LLMEngine(model, _engine_config(args, args.context + new_tokens))
   t0 = time.perf_counter()
   compiled_warm = engine.warmup()  # every token bucket, as vLLM captures its graphs
   warmup_s = time.perf_counter() - t0
-  # Prefill until every request has its first token, then time every decode step.
-  reqs = [engine.add_request(f"bench-{i}", p, SamplingParams(max_new_tokens=args.steps + 1))
+  reqs = [engine.add_request(f"bench-{i}", p, SamplingParams(max_new_tokens=new_tokens))
           for i, p in enumerate(prompts)]
   t0 = time.perf_counter()
   while not all(r.output_token_ids for r in reqs):
@@ -215,15 +218,19 @@ def cmd_bench(args) -> int:
   prefill_s = time.perf_counter() - t0
   lat, tokens = [], 0
   drafted, accepted = engine.num_draft_tokens, engine.num_accepted_tokens
-  while engine.has_unfinished():
+  for _ in range(args.steps):
     t = time.perf_counter()
     outs = engine.step()
     lat.append(time.perf_counter() - t)
     tokens += sum(len(o.new_token_ids) for o in outs)
+  finished_early = sum(r.finish_reason is not None for r in reqs)
+  for r in reqs:
+    engine.abort(r.request_id)
   lat_ms = np.asarray(lat) * 1e3
   drafted, accepted = engine.num_draft_tokens - drafted, engine.num_accepted_tokens - accepted
   result = {"config": args.config or ("checkpoint" if args.model_path else "glm-5.3-flash-tiny"),
             "batch": args.batch, "context": args.context, "decode_steps": len(lat), "decode_tokens": tokens,
+            "finished_before_the_end": finished_early,
             "prefill_s": prefill_s, "decode_tokens_per_s": tokens / max(sum(lat), 1e-9),
             "num_spec": args.num_spec, "acceptance_rate": accepted / drafted if drafted else None,
             "step_ms_p50": float(np.percentile(lat_ms, 50)), "step_ms_p90": float(np.percentile(lat_ms, 90)),
@@ -300,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
   _add_engine_args(b)
   b.add_argument("--batch", type=int, default=4)
   b.add_argument("--context", type=int, default=64, help="prompt tokens per request")
-  b.add_argument("--steps", type=int, default=32, help="tokens each request decodes after its first (timed)")
+  b.add_argument("--steps", type=int, default=32, help="decode steps to time, every request decoding")
   b.add_argument("--json", action="store_true")
   b.set_defaults(func=cmd_bench)
   return parser
