@@ -46,7 +46,8 @@ def test_generate_json_on_the_embedded_model(capsys):
 
 
 def test_bench_json(capsys):
-  assert main(["bench", "--batch", "2", "--context", "9", "--steps", "3", "--json"]) == 0
+  assert main(["bench", "--batch", "2", "--context", "9", "--steps", "3", "--buckets", "16", "--max-num-batched-tokens",
+               "16", "--json"]) == 0
   out = json.loads(capsys.readouterr().out)
   assert out["decode_steps"] == 3 and out["decode_tokens"] == 6 and out["decode_tokens_per_s"] > 0
   assert out["compilations_at_end"] == out["compilations_after_warmup"]

@@ -53,8 +53,8 @@ def run(config: EngineConfig, *, alone=False, eager=False, sampling=SAMPLING):
   ps = prompts()
   groups = [[p] for p in ps] if alone else [list(ps)]
   out = []
+  engine = LLMEngine(model(), config)  # alone: one request after another, on recycled blocks
   for group in groups:
-    engine = LLMEngine(model(), config)
     if eager:
       with jax.disable_jit():
         reqs = engine.generate(group, sampling)
