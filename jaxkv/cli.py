@@ -62,8 +62,10 @@ def plan_from_args(args):
 def _print_plan(config, plan, out) -> None:
   d = plan.describe()
   w = out.write
+  mtp = any(b.layer_name.startswith(f"layers.{config.num_hidden_layers}.") for b in plan.bindings)
   w(f"KV-cache plan: {config.num_hidden_layers} layers ({len(config.dsa_layers)} MLA + indexer, "
-    f"{len(config.kda_layers)} KDA state), layout {plan.layout}\n")
+    f"{len(config.kda_layers)} KDA state){' + the MTP layer (MLA + indexer)' if mtp else ''}, "
+    f"layout {plan.layout}\n")
   scaled = "" if plan.block_size == plan.requested_block_size else f" (scaled up from {plan.requested_block_size})"
   w(f"  manager block size   {plan.block_size} tokens{scaled}\n")
   w(f"  bytes per block      {plan.bytes_per_block:,} ({_gib(plan.bytes_per_block)}), stride alignment "
@@ -282,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--layout", choices=("dense", "packed"), default="packed", help="cache layout (default packed)")
   p.add_argument("--kv-cache-dtype", choices=("bfloat16", "float32", "fp8"), default="bfloat16")
   p.add_argument("--indexer-cache-dtype", choices=("fp8", "bfloat16", "float32"), default="fp8")
-  p.add_argument("--num-spec", type=int, default=0, help="speculative tokens per step (widens the tail ring)")
+  p.add_argument("--num-spec", type=int, default=0, help="MTP speculative tokens per step: adds the MTP layer's caches, widens the tail ring, "
+                 "gives each KDA state one slot per draft")
   p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
   p.set_defaults(func=cmd_inspect)
 

@@ -22,6 +22,9 @@ def test_inspect_text_and_errors(capsys):
                "--layout", "dense"]) == 0
   text = capsys.readouterr().out
   assert "manager block size   256 tokens" in text and "glm5_indexer" in text
+  assert main(["inspect", "--config", "glm-5.3-flash-tiny", "--block-size", "256", "--num-spec", "2", "--json"]) == 0
+  widths = {g["kind"]: g["block_table_width"] for g in json.loads(capsys.readouterr().out)["plan"]["kv_cache_groups"]}
+  assert widths["LinearAttentionStateSpec"] == 3 and widths["CircularBufferSpec"] == 1
   assert main(["inspect", "--block-size", "1024", "--kernel-block-size", "256"]) == 2
   assert "cannot be split into" in capsys.readouterr().err
 
