@@ -148,10 +148,10 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
 
 class _OneBlockPerRequestManager(SingleTypeKVCacheManager):
-  """Exactly one block per request for its life, whatever its length."""
+  """A fixed number of blocks per request for its life (the spec's), whatever its length."""
 
   def num_blocks_needed(self, num_tokens: int) -> int:
-    return 1
+    return self.spec.max_num_blocks_per_req(num_tokens)
 
   def find_longest_cache_hit(self, block_hashes, max_blocks):
     return []
@@ -164,9 +164,6 @@ class CircularBufferManager(_OneBlockPerRequestManager):
 class LinearAttentionStateManager(_OneBlockPerRequestManager):
   """Linear-attention state slots (KDA conv windows + recurrent state): one per request, plus one
   per speculative token."""
-
-  def num_blocks_needed(self, num_tokens: int) -> int:
-    return self.spec.max_num_blocks_per_req(num_tokens)
 
 
 def get_manager_for_spec(spec: KVCacheSpec, block_pool: BlockPool, group_id: int) -> SingleTypeKVCacheManager:

@@ -84,9 +84,6 @@ class LLMEngine:
     self.config = config
     self.model_config = model.config
     k = config.num_speculative_tokens
-    if k and model.mtp is None:
-      raise ValueError(f"num_speculative_tokens={k} drafts with the MTP layer, but the model has none "
-                       "(num_nextn_predict_layers=0, or a checkpoint without layers.N.* tensors); use 0.")
     if 1 + k > config.max_num_batched_tokens:
       raise ValueError(f"max_num_batched_tokens {config.max_num_batched_tokens} cannot hold a verify step of "
                        f"1 + {k} tokens.")
@@ -303,11 +300,6 @@ class LLMEngine:
       outputs.append(RequestOutput(req.request_id, new_ids, new_lps if req.sampling.logprobs else [],
                                    reason is not None, reason))
     return outputs
-
-  @property
-  def acceptance_rate(self) -> float | None:
-    """Accepted / verified drafts so far (None before any draft was verified)."""
-    return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
   def generate(self, prompts: Iterable[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
                *, progress=None) -> list[Request]:

@@ -66,10 +66,6 @@ def sample(
   idx = jnp.arange(s)
   keys = jax.vmap(lambda sd, st: jax.random.fold_in(jax.random.key(sd), st))(
       jnp.repeat(seeds, s), (steps[:, None] + idx).reshape(-1))  # [R * S]
-  if s == 1:  # nothing to verify
-    drawn = jax.vmap(jax.random.categorical)(keys, masked.reshape(r, v)).reshape(r, 1)
-    tokens = jnp.where(hot[:, None], drawn, greedy)
-    return tokens.astype(jnp.int32), jnp.zeros((r,), jnp.int32), top_lp, top_ids.astype(jnp.int32)
   is_draft = idx[None, :] < num_drafts[:, None]  # [R, S]: position i verifies draft i
   drafts = jnp.concatenate([draft_ids, jnp.zeros((r, 1), draft_ids.dtype)], axis=1).astype(jnp.int32)
   p_draft = jnp.take_along_axis(jax.nn.softmax(masked, axis=-1), drafts[..., None], axis=-1)[..., 0]
