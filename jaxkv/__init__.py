@@ -10,20 +10,21 @@ from jaxkv.attention_backend import (
     is_block_size_supported,
     select_common_block_size,
 )
-from jaxkv.attention_group import AttentionGroup, KernelPagedView
-from jaxkv.attention_metadata import CommonAttentionMetadata
+from jaxkv.attention_group import AttentionGroup, map_to_kernel_block_tables
 from jaxkv.block_pool import BlockPool, KVCacheBlock
 from jaxkv.block_table import BlockTable, MultiGroupBlockTable, get_block_table_width
 from jaxkv.kernel_blocks import map_to_kernel_blocks
+from jaxkv.kernel_view import KernelView
 from jaxkv.kv_cache_config import (
     LAYOUTS,
+    CacheConfig,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheLayer,
     KVCacheTensor,
-    LayerBinding,
     plan_kv_cache,
 )
+from jaxkv.kv_cache_report import render_plan
 from jaxkv.kv_cache_manager import (
     CircularBufferManager,
     FullAttentionManager,
@@ -43,6 +44,8 @@ from jaxkv.kv_cache_spec import (
     MultipleOf,
     SlidingWindowSpec,
 )
+from jaxkv.step_inputs import StepInputs
+from jaxkv.utils import cdiv, round_up
 from jaxkv.slot_mapping import (
     PAD_SLOT_ID,
     compute_circular_slot_mapping,
@@ -69,16 +72,16 @@ __all__ = [
     "is_block_size_supported",
     "select_common_block_size",
     "AttentionGroup",
-    "KernelPagedView",
-    "CommonAttentionMetadata",
+    "KernelView",
     # Planner
     "LAYOUTS",
+    "CacheConfig",
     "KVCacheConfig",
     "KVCacheGroupSpec",
     "KVCacheLayer",
     "KVCacheTensor",
-    "LayerBinding",
     "plan_kv_cache",
+    "render_plan",
     # Host bookkeeping
     "BlockPool",
     "KVCacheBlock",
@@ -99,4 +102,8 @@ __all__ = [
     "compute_compressed_slot_mapping",
     "req_indices_from_query_start_loc",
     "map_to_kernel_blocks",
+    "map_to_kernel_block_tables",
+    "StepInputs",
+    "cdiv",
+    "round_up",
 ]

@@ -1,10 +1,11 @@
 """AttentionGroup: layers of one KV-cache group that share a spec and a backend.
 
 The kernel-block view is this object's concern, not the block table's (vLLM's
-``vllm/v1/worker/utils.py``): the group chooses its kernel block size from its backend, takes the
-stride from the real cache array when it binds it, and maps the manager-unit block table to kernel
-blocks right before its metadata is built. Normal, padded (capture-size) and drafting builds all go
-through the one ``map_to_kernel_block_table``.
+``vllm/v1/worker/utils.py``): the group chooses its kernel block size from its backend, the planner
+resolves its stride from the real cache array, and the step maps the manager-unit block table to
+kernel blocks into the group's persistent buffer. Normal, padded (bucket-size) and drafting steps
+all go through the one ``map_to_kernel_block_table``. The group is frozen: the planner builds it
+resolved (``resolve``), nothing changes it afterwards.
 """
 
 from __future__ import annotations
@@ -15,29 +16,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.attention_backend import AttentionBackend, select_common_block_size
-from jaxkv.attention_metadata import CommonAttentionMetadata
 from jaxkv.kernel_blocks import map_to_kernel_blocks
+from jaxkv.kernel_view import KernelView
 from jaxkv.kv_cache_spec import AttentionSpec, KVCacheSpec
 
-__all__ = ["AttentionGroup", "KernelPagedView"]
+__all__ = ["AttentionGroup", "map_to_kernel_block_tables"]
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelPagedView:
-  """A bound cache as kernel pages: kernel block ``k`` is ``rows[base_row + k, offset:offset + page_bytes]``.
-
-  ``rows`` is the backing array, reshaped (free inside jit) when a packed compressed cache is
-  re-strided into kernel pages; a packed arena keeps the other layers' bytes between this
-  layer's pages, which kernel block ids skip over (``stride > blocks_per_kernel_block``).
-  """
-
-  rows: jax.Array | jax.ShapeDtypeStruct  # uint8 [num_rows, row_bytes]
-  base_row: int
-  offset_bytes: int
-  page_bytes: int
-
-
-@dataclasses.dataclass(eq=False)
 class AttentionGroup:
   """Layers of one KV-cache group with the same spec and backend.
 
@@ -47,8 +33,8 @@ class AttentionGroup:
     kv_cache_spec: their (per-layer) spec, in manager blocks.
     kv_cache_group_id: index of the KV-cache group (block table) they use.
     kernel_block_size: tokens per kernel block when smaller than the manager block, else None.
-    kernel_block_stride: kernel blocks between manager blocks; 0 until a packed cache is bound
-      (then taken from the arena), meaning ``blocks_per_kernel_block``.
+    kernel_block_stride: kernel blocks between manager blocks, as the planner resolved it from
+      the backing arrays (None before: ``blocks_per_kernel_block``).
   """
 
   backend: AttentionBackend
@@ -56,7 +42,7 @@ class AttentionGroup:
   kv_cache_spec: KVCacheSpec
   kv_cache_group_id: int
   kernel_block_size: int | None = None
-  kernel_block_stride: int = 0
+  kernel_block_stride: int | None = None
 
   @classmethod
   def create(
@@ -71,27 +57,25 @@ class AttentionGroup:
     """Resolves the group's kernel block size.
 
     Args:
-      kernel_block_size: the KV-cache group's requested kernel size (e.g. ``--kernel-block-size``
-        for a dense split); the backend narrows it further if it cannot read it.
+      kernel_block_size: the KV-cache group's requested kernel size (a dense split); the backend
+        narrows it further if it cannot read it.
 
     Raises:
       ValueError: the size does not divide the manager block size, or no size fits the backend.
     """
-    group = cls(backend, tuple(layer_names), kv_cache_spec, kv_cache_group_id)
     bs = kv_cache_spec.block_size
+    names = tuple(layer_names)
     if kv_cache_spec.is_state or not backend.supported_kernel_block_sizes:
-      return group
+      return cls(backend, names, kv_cache_spec, kv_cache_group_id)
     requested = bs if kernel_block_size is None else kernel_block_size
     if requested <= 0 or bs % requested:
       raise ValueError(
           f"Kernel block size {requested} does not divide the KV cache block size {bs} "
-          f"(layers {', '.join(layer_names[:3])}{'...' if len(layer_names) > 3 else ''}). "
-          f"Use a kernel block size that divides {bs}."
+          f"(layers {', '.join(names[:3])}{'...' if len(names) > 3 else ''}). "
+          f"Use a kernel_block_size that divides {bs}."
       )
     k = select_common_block_size(requested, [backend])
-    if k != bs:
-      group.kernel_block_size = k
-    return group
+    return cls(backend, names, kv_cache_spec, kv_cache_group_id, None if k == bs else k)
 
   @property
   def blocks_per_kernel_block(self) -> int:
@@ -114,32 +98,46 @@ class AttentionGroup:
     return self.kv_cache_spec.get_num_kernel_states(self.kernel_block_size or self.kv_cache_spec.block_size)
 
   def map_kv_cache_to_kernel_blocks(
-      self, kv_cache: jax.Array | jax.ShapeDtypeStruct, *, page_offset_bytes: int = 0
-  ) -> KernelPagedView:
-    """Views one layer's bound cache as kernel pages and sets ``kernel_block_stride``.
+      self,
+      layer_name: str,
+      tensor: str,
+      tensor_shape: tuple[int, int],
+      *,
+      page_offset_bytes: int = 0,
+      block_stride_bytes: int | None = None,
+      attention_group_id: int = 0,
+  ) -> KernelView:
+    """Views one layer's backing array as kernel pages (pure: the stride is in the returned view).
 
     Args:
-      kv_cache: the real backing array, ``uint8[num_rows, row_bytes]``: a dense layer array
+      layer_name, tensor: the layer and the name of its backing array.
+      tensor_shape: ``(num_rows, row_bytes)`` of the uint8 backing array: a dense layer array
         already split into kernel pages (``row_bytes == kernel page``: stride stays
         ``blocks_per_kernel_block``), a dense layer array of whole manager pages, or the packed
         arena ``[num_blocks, bytes_per_block]`` (re-strided: stride = ``row_bytes / kernel page``).
       page_offset_bytes: where this layer's page starts inside each row (packed arenas).
+      block_stride_bytes: bytes between manager blocks (default: one row).
+      attention_group_id: this group's index in the plan.
 
     Raises:
       ValueError: the cache is a token cache (``tokens_per_state == 1``), has several head
         slots, or its rows are not whole kernel pages: "... cannot be split into ...".
     """
     spec = self.kv_cache_spec
-    if kv_cache.ndim != 2 or kv_cache.dtype != jnp.uint8:
-      raise ValueError(
-          f"expected a uint8[num_rows, row_bytes] cache for {self.layer_names[0]}, got "
-          f"{kv_cache.dtype}{list(kv_cache.shape)}."
-      )
+    num_rows, row_bytes = tensor_shape
     page = self.kernel_page_bytes
-    row_bytes = kv_cache.shape[1]
-    if self.kernel_block_size is None or (row_bytes == page and page_offset_bytes == 0):
+    bpk = self.blocks_per_kernel_block
+    kbs = self.kernel_block_size
+    common = dict(
+        layer_name=layer_name, tensor=tensor, kv_cache_group_id=self.kv_cache_group_id,
+        attention_group_id=attention_group_id, block_size=spec.block_size, kernel_block_size=kbs,
+        blocks_per_kernel_block=bpk, page_bytes=spec.page_size_bytes, kernel_page_bytes=page,
+        entries_per_page=self.states_per_kernel_page, tensor_offset_bytes=page_offset_bytes,
+        block_stride_bytes=row_bytes if block_stride_bytes is None else block_stride_bytes)
+    if kbs is None or (row_bytes == page and page_offset_bytes == 0):
       # Unsplit, or a dense cache allocated already split: kernel block k is row k.
-      return KernelPagedView(kv_cache, 0, page_offset_bytes, page)
+      return KernelView(stride=bpk, row_bytes=row_bytes, base_row=0, offset_bytes=page_offset_bytes,
+                        tokens_per_row=kbs or spec.block_size, **common)
     padded = isinstance(spec, AttentionSpec) and spec.page_size_padded is not None
     # Token caches are written through manager-unit slots, which address page b*bpk + off//kbs;
     # only compressed caches (written from the kernel table itself) may be re-strided.
@@ -151,16 +149,22 @@ class AttentionGroup:
         or row_bytes % page
         or page_offset_bytes % page
     ):
-      kbs = self.kernel_block_size
       raise ValueError(
           f"{self.backend.name} needs {kbs}-token kernel blocks, which packed "
-          f"{spec.block_size}-token KV cache blocks of {self.layer_names[0]} (rows of {row_bytes} "
+          f"{spec.block_size}-token KV cache blocks of {layer_name} (rows of {row_bytes} "
           f"bytes, page offset {page_offset_bytes}, kernel page {page} bytes, "
-          f"tokens_per_state {spec.tokens_per_state}) cannot be split into. Reduce --block-size "
-          f"to {kbs} or use --layout dense."
+          f"tokens_per_state {spec.tokens_per_state}) cannot be split into. Reduce block_size "
+          f"to {kbs} or use layout='dense'."
       )
-    self.kernel_block_stride = row_bytes // page
-    return KernelPagedView(_as_pages(kv_cache, page), page_offset_bytes // page, 0, page)
+    return KernelView(stride=row_bytes // page, row_bytes=page, base_row=page_offset_bytes // page, offset_bytes=0,
+                      tokens_per_row=kbs, **common)
+
+  def resolve(self, stride: int) -> AttentionGroup:
+    """The group with its stride taken from the backing arrays (the planner calls this once)."""
+    if stride < self.blocks_per_kernel_block:
+      raise ValueError(f"stride {stride} of {self.layer_names[0]} is below its {self.blocks_per_kernel_block} "
+                       "kernel blocks per block (a block's pages would overlap the next block's).")
+    return dataclasses.replace(self, kernel_block_stride=stride)
 
   def map_to_kernel_block_table(
       self, block_table: jax.Array, kernel_block_table: jax.Array | None = None
@@ -179,17 +183,6 @@ class AttentionGroup:
       return None
     return jnp.zeros((max_num_reqs, width * self.blocks_per_kernel_block), jnp.int32)
 
-  def build_metadata(
-      self, common: CommonAttentionMetadata, kernel_block_table: jax.Array | None = None
-  ) -> CommonAttentionMetadata:
-    """Metadata of a normal step: the block table mapped to kernel blocks, slots unchanged."""
-    return dataclasses.replace(common, block_table=self.map_to_kernel_block_table(common.block_table, kernel_block_table))
-
-  # Padded (bucket-size) and drafting builds use the very same mapping: one code path, so a
-  # draft or a padded batch can never see a differently mapped table.
-  build_metadata_for_padded_batch = build_metadata
-  build_metadata_for_drafting = build_metadata
-
   def describe(self) -> dict:
     return {
         "backend": str(self.backend),
@@ -202,8 +195,17 @@ class AttentionGroup:
     }
 
 
-def _as_pages(kv_cache, page_bytes: int):
-  num_rows, row_bytes = kv_cache.shape
-  if isinstance(kv_cache, jax.ShapeDtypeStruct):
-    return jax.ShapeDtypeStruct((num_rows * row_bytes // page_bytes, page_bytes), kv_cache.dtype)
-  return kv_cache.reshape(num_rows * row_bytes // page_bytes, page_bytes)
+def map_to_kernel_block_tables(
+    attention_groups: tuple[AttentionGroup, ...],
+    block_tables: tuple[jax.Array, ...],
+    buffers: tuple[jax.Array | None, ...] | None = None,
+) -> tuple[jax.Array | None, ...]:
+  """Every attention group's kernel-block table for one step (None for groups without a split).
+
+  ``block_tables``: per KV-cache group, the step's manager table; ``buffers``: the groups'
+  persistent tables (``KVCacheConfig.init_kernel_block_tables``), donated and rewritten.
+  """
+  buffers = buffers if buffers is not None else (None,) * len(attention_groups)
+  return tuple(
+      ag.map_to_kernel_block_table(block_tables[ag.kv_cache_group_id], buf) if ag.kernel_block_size else None
+      for ag, buf in zip(attention_groups, buffers))

@@ -3,23 +3,33 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import re
 import sys
+
+from jaxkv.engine.model_runner import get_model_family
+from jaxkv.kv_cache_config import CacheConfig, plan_kv_cache
+from jaxkv.kv_cache_report import render_plan
+from jaxkv.utils import cdiv
 
 __all__ = ["main", "build_parser"]
 
 
-def _gib(n: int) -> str:
-  return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n} B"
+# Library parameter names -> the flags that set them, for error messages.
+_FLAGS = {
+    "memory_bytes": "--memory-gib", "max_model_len": "--max-model-len", "kernel_block_size": "--kernel-block-size",
+    "block_size": "--block-size", "layout='dense'": "--layout dense", "layout": "--layout",
+    "num_speculative_tokens": "--num-spec", "max_num_batched_tokens": "--max-num-batched-tokens",
+    "max_num_reqs": "--max-num-reqs", "kv_cache_dtype": "--kv-cache-dtype",
+    "indexer_cache_dtype": "--indexer-cache-dtype",
+}
+_FLAG_RE = re.compile(r"\b(" + "|".join(re.escape(k) for k in sorted(_FLAGS, key=len, reverse=True)) + r")(?![\w'])")
 
 
-def _runs(rows: list[dict], keys: tuple[str, ...]):
-  """Consecutive rows equal in ``keys`` folded into one, labelled ``first-last``."""
-  start = 0
-  for i in range(1, len(rows) + 1):
-    if i == len(rows) or any(rows[i][k] != rows[start][k] for k in keys):
-      yield (str(start) if i - 1 == start else f"{start}-{i - 1}"), rows[start]
-      start = i
+def _with_flags(message: str) -> str:
+  """A library error, its parameter names replaced by the command line's flags."""
+  return _FLAG_RE.sub(lambda m: _FLAGS[m.group(1)], message)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -28,102 +38,54 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
   src.add_argument("--model-path", default=None, help="HF checkpoint directory with a glm5_next config.json")
 
 
-def _load_model_config(args):
-  from models.glm5_next import get_config, load_config
-
+def _model_config(args, default: str):
+  family = get_model_family()
   if args.model_path:
-    return load_config(args.model_path)
-  return get_config(args.config or "glm-5.3-flash")
+    return family, family.load_config(args.model_path)
+  return family, family.builtin_config(args.config or default)
+
+
+def cache_config_from_args(args, config) -> CacheConfig:
+  """The one options object of ``inspect``, ``generate`` and ``bench``."""
+  return CacheConfig(
+      block_size=args.block_size, kernel_block_size=args.kernel_block_size, layout=args.layout,
+      kv_cache_dtype=args.kv_cache_dtype, indexer_cache_dtype=args.indexer_cache_dtype, state_dtype=args.dtype,
+      num_speculative_tokens=args.num_spec, memory_bytes=int(args.memory_gib * 2**30),
+      max_model_len=args.max_model_len or config.max_position_embeddings)
 
 
 def plan_from_args(args):
-  from jaxkv.kv_cache_config import plan_kv_cache
-  from models.glm5_next import get_kv_cache_layers
-
-  config = _load_model_config(args)
-  layers = get_kv_cache_layers(
-      config,
-      block_size=args.block_size,
-      kv_cache_dtype=args.kv_cache_dtype,
-      indexer_cache_dtype=args.indexer_cache_dtype,
-      num_speculative_tokens=args.num_spec,
-  )
-  max_len = args.max_model_len or config.max_position_embeddings
-  return config, plan_kv_cache(
-      layers,
-      block_size=args.block_size,
-      memory_bytes=int(args.memory_gib * 2**30),
-      max_model_len=max_len,
-      layout=args.layout,
-      kernel_block_size=args.kernel_block_size,
-  )
-
-
-def _print_plan(config, plan, out) -> None:
-  d = plan.describe()
-  w = out.write
-  mtp = any(b.layer_name.startswith(f"layers.{config.num_hidden_layers}.") for b in plan.bindings)
-  w(f"KV-cache plan: {config.num_hidden_layers} layers ({len(config.dsa_layers)} MLA + indexer, "
-    f"{len(config.kda_layers)} KDA state){' + the MTP layer (MLA + indexer)' if mtp else ''}, "
-    f"layout {plan.layout}\n")
-  scaled = "" if plan.block_size == plan.requested_block_size else f" (scaled up from {plan.requested_block_size})"
-  w(f"  manager block size   {plan.block_size} tokens{scaled}\n")
-  w(f"  bytes per block      {plan.bytes_per_block:,} ({_gib(plan.bytes_per_block)}), stride alignment "
-    f"{plan.stride_alignment_bytes:,} B\n")
-  w(f"  blocks               {plan.num_blocks:,} (block 0 is the null block), {_gib(d['total_bytes'])} in all\n")
-  w(f"  token capacity       {plan.token_capacity:,} tokens; a {plan.max_model_len:,}-token request needs "
-    f"{d['blocks_per_full_length_request']:,} blocks ({d['max_num_full_length_requests']} fit)\n\n")
-  w(f"  {'groups':>7}  {'kind':<26}{'block':>7}{'layers':>8}{'page bytes':>14}{'table width':>13}\n")
-  for ids, g in _runs(d["kv_cache_groups"], ("kind", "manager_block_size", "num_layers", "page_size_bytes", "block_table_width")):
-    w(f"  {ids:>7}  {g['kind']:<26}{g['manager_block_size']:>7}{g['num_layers']:>8}"
-      f"{g['page_size_bytes']:>14,}{g['block_table_width']:>13,}\n")
-  w(f"\n  {'attn grp':>8}  {'backend':<34}{'layers':>7}{'page B':>12}{'align B':>9}{'kernel':>8}{'bpk':>5}"
-    f"{'stride':>8}{'kpage B':>10}\n")
-  rows = [{**ag, "n": len(ag["layers"]), "page": ag["kv_cache_spec"]["page_size_bytes"],
-           "align": ag["kv_cache_spec"]["resolved_block_stride_alignment"]} for ag in d["attention_groups"]]
-  for ids, ag in _runs(rows, ("backend", "n", "page", "align", "kernel_block_size", "kernel_block_stride")):
-    w(f"  {ids:>8}  {ag['backend']:<34}{ag['n']:>7}{ag['page']:>12,}{ag['align']:>9,}"
-      f"{str(ag['kernel_block_size'] or '-'):>8}{ag['blocks_per_kernel_block']:>5}{ag['kernel_block_stride']:>8,}"
-      f"{ag['kernel_page_bytes']:>10,}\n")
-  w("\n  tensors: " + ", ".join(f"{t['name']} uint8{t['shape']}" for t in d["tensors"][:4])
-    + (f", ... ({len(d['tensors'])} in all)" if len(d["tensors"]) > 4 else "") + "\n")
+  family, config = _model_config(args, "glm-5.3-flash")
+  cache = cache_config_from_args(args, config)
+  return family, config, cache, plan_kv_cache(family.get_kv_cache_layers(config, cache), cache)
 
 
 def cmd_inspect(args) -> int:
-  config, plan = plan_from_args(args)
+  family, config, cache, plan = plan_from_args(args)
   if args.json:
     json.dump({"model": {"num_hidden_layers": config.num_hidden_layers, "dsa_layers": list(config.dsa_layers),
                          "kda_layers": list(config.kda_layers), "index_kpool": config.index_kpool},
                "plan": plan.describe()}, sys.stdout, indent=1)
     sys.stdout.write("\n")
   else:
-    _print_plan(config, plan, sys.stdout)
+    sys.stdout.write(render_plan(plan, family.describe(config, cache)))
   return 0
 
 
-def _load_model(args):
-  """(config, model): a checkpoint, or a built-in config with seeded random weights."""
-  import jax.numpy as jnp
-  from flax import nnx
-
-  from models.glm5_next import Glm5NextForCausalLM, get_config, load_checkpoint
+def _engine(args, family, config, max_len: int):
+  """The engine over a checkpoint, or a built-in config with seeded random weights."""
+  from jaxkv.engine import EngineConfig, LLMEngine
 
   if args.model_path:
-    return load_checkpoint(args.model_path, dtype=jnp.float32 if args.dtype == "float32" else jnp.bfloat16)
-  config = get_config(args.config or "glm-5.3-flash-tiny")
-  dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
-  return config, Glm5NextForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(args.seed))
-
-
-def _engine_config(args, max_len):
-  from jaxkv.engine import EngineConfig
-
-  return EngineConfig(
-      block_size=args.block_size, kernel_block_size=args.kernel_block_size, layout=args.layout,
-      memory_bytes=int(args.memory_gib * 2**30), max_model_len=max_len, max_num_reqs=args.max_num_reqs,
-      max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
-      indexer_cache_dtype=args.indexer_cache_dtype, state_dtype=args.dtype, implementation=args.implementation,
-      num_speculative_tokens=args.num_spec, buckets=args.buckets)
+    runner = family.from_pretrained(args.model_path, dtype=args.dtype, implementation=args.implementation)
+  else:
+    runner = family.from_random(config, dtype=args.dtype, seed=args.seed, implementation=args.implementation)
+  cache = dataclasses.replace(cache_config_from_args(args, config), max_model_len=max_len)
+  engine = LLMEngine(runner, EngineConfig(cache=cache, max_num_reqs=args.max_num_reqs,
+                                          max_num_batched_tokens=args.max_num_batched_tokens, buckets=args.buckets))
+  if getattr(args, "print_plan", False):
+    sys.stderr.write(engine.render_plan(family.describe(config, cache)))
+  return engine
 
 
 def _prompts(args, config) -> list[list[int]]:
@@ -155,13 +117,13 @@ def _prompts(args, config) -> list[list[int]]:
 
 
 def cmd_generate(args) -> int:
-  from jaxkv.engine import LLMEngine, SamplingParams
+  from jaxkv.engine import SamplingParams
 
-  config, model = _load_model(args)
+  family, config = _model_config(args, "glm-5.3-flash-tiny")
   prompts = _prompts(args, config)
   max_len = args.max_model_len or min(config.max_position_embeddings,
                                       max(len(p) for p in prompts) + args.max_new_tokens)
-  engine = LLMEngine(model, _engine_config(args, max_len))
+  engine = _engine(args, family, config, max_len)
   sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed, logprobs=args.logprobs,
                             stop_token_ids=tuple(config.eos_token_id) if args.stop_at_eos else ())
@@ -199,16 +161,16 @@ def cmd_bench(args) -> int:
 
   import numpy as np
 
-  from jaxkv.engine import LLMEngine, SamplingParams
+  from jaxkv.engine import SamplingParams
 
-  config, model = _load_model(args)
+  family, config = _model_config(args, "glm-5.3-flash-tiny")
   rng = np.random.default_rng(args.seed)
   prompts = [list(rng.integers(1, config.vocab_size, args.context)) for _ in range(args.batch)]
   # Requests prefilled early decode while later ones prefill: leave them room for that, so every
   # request is still decoding during all `steps` timed steps.
-  prefill_steps = -(-args.batch * args.context // args.max_num_batched_tokens) + 1
+  prefill_steps = cdiv(args.batch * args.context, args.max_num_batched_tokens) + 1
   new_tokens = (prefill_steps + args.steps) * (1 + args.num_spec) + 1
-  engine = LLMEngine(model, _engine_config(args, args.context + new_tokens))
+  engine = _engine(args, family, config, args.context + new_tokens)
   t0 = time.perf_counter()
   compiled_warm = engine.warmup()  # every token bucket, as vLLM captures its graphs
   warmup_s = time.perf_counter() - t0
@@ -282,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--memory-gib", type=float, default=80.0, help="KV-cache memory budget in GiB (default 80)")
   p.add_argument("--max-model-len", type=int, default=None, help="longest request (default: the model's maximum)")
   p.add_argument("--layout", choices=("dense", "packed"), default="packed", help="cache layout (default packed)")
+  p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
+                 help="model dtype: tail rings and KDA conv windows (default bfloat16)")
   p.add_argument("--kv-cache-dtype", choices=("bfloat16", "float32", "fp8"), default="bfloat16")
   p.add_argument("--indexer-cache-dtype", choices=("fp8", "bfloat16", "float32"), default="fp8")
   p.add_argument("--num-spec", type=int, default=0, help="MTP speculative tokens per step: adds the MTP layer's caches, widens the tail ring, "
@@ -303,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--logprobs", type=int, default=0, help="top-k log-probabilities per token (up to 20)")
   g.add_argument("--stop-at-eos", action="store_true", help="stop at the config's eos ids")
   g.add_argument("--json", action="store_true", help="tokens and logprobs per request as one JSON object")
+  g.add_argument("--print-plan", action="store_true", help="print the engine's KV-cache plan (as inspect) on stderr")
   g.set_defaults(func=cmd_generate)
 
   b = sub.add_parser("bench", help="decode throughput, step latency percentiles and compile count",
@@ -321,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
   try:
     return args.func(args)
   except ValueError as e:
-    print(f"jaxkv {args.command}: error: {e}", file=sys.stderr)
+    print(f"jaxkv {args.command}: error: {_with_flags(str(e))}", file=sys.stderr)
     return 2
   except BrokenPipeError:  # `jaxkv inspect | head`: the reader left; not an error of ours
     sys.stderr.close()

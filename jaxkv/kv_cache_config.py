@@ -15,6 +15,12 @@ supports:
   to the lcm of every layer's resolved stride alignment (and of 512 bytes, so typed views of each
   layer start on whole element rows), so a compressed cache can be re-strided
   into whole kernel pages (``AttentionGroup.map_kv_cache_to_kernel_blocks``).
+
+One options object, ``CacheConfig``, is the whole input besides the layers: ``jaxkv inspect``, the
+engine and the Python API plan from it alike. The planner runs in named stages
+(``_resolve_block_size``, ``_group_layers``, ``_make_attention_groups``, ``_place_pages``,
+``_count_blocks``, ``_bind``) and returns a frozen ``KVCacheConfig`` holding one resolved
+``KernelView`` per layer.
 """
 
 from __future__ import annotations
@@ -28,11 +34,13 @@ import jax.numpy as jnp
 
 from jaxkv.attention_backend import AttentionBackend, customize_attention_spec
 from jaxkv.attention_group import AttentionGroup
+from jaxkv.kernel_view import KernelView
 from jaxkv.kv_cache_spec import AttentionSpec, CircularBufferSpec, KVCacheSpec, SlidingWindowSpec
+from jaxkv.utils import round_up
 
 __all__ = [
+    "CacheConfig",
     "KVCacheLayer",
-    "LayerBinding",
     "KVCacheTensor",
     "KVCacheGroupSpec",
     "KVCacheConfig",
@@ -41,10 +49,57 @@ __all__ = [
 ]
 
 LAYOUTS = ("dense", "packed")
+CACHE_DTYPES = ("bfloat16", "float32", "fp8")
 _INT32_MAX = 2**31 - 1
 # Packed rows and layer offsets are multiples of this, so every layer's typed view (fp8, bf16,
 # fp32 rows of up to 128 channels) starts on a whole element row of the arena.
 _PACKED_ROW_ALIGNMENT = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+  """Everything a KV-cache plan depends on besides the model (vLLM's ``CacheConfig``).
+
+  Attributes:
+    block_size: manager block size in tokens (packed plans may scale it up).
+    kernel_block_size: dense split of token caches into kernel blocks (None: no split).
+    layout: ``"dense"`` or ``"packed"``.
+    kv_cache_dtype: MLA latents: ``"bfloat16"``, ``"float32"`` or ``"fp8"``.
+    indexer_cache_dtype: pooled indexer keys: ``"fp8"``, ``"bfloat16"`` or ``"float32"``.
+    state_dtype: tail rings and linear-attention conv windows (the model's dtype).
+    num_speculative_tokens: drafts per step; the plan then covers ``max_model_len + k`` tokens.
+    memory_bytes: budget for all caches.
+    max_model_len: longest request the plan must hold.
+  """
+
+  block_size: int = 256
+  kernel_block_size: int | None = None
+  layout: str = "packed"
+  kv_cache_dtype: str = "float32"
+  indexer_cache_dtype: str = "float32"
+  state_dtype: str = "float32"
+  num_speculative_tokens: int = 0
+  memory_bytes: int = 64 << 20
+  max_model_len: int = 512
+
+  def __post_init__(self):
+    if self.layout not in LAYOUTS:
+      raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}.")
+    for name in ("kv_cache_dtype", "indexer_cache_dtype"):
+      if getattr(self, name) not in CACHE_DTYPES:
+        raise ValueError(f"{name} must be one of {CACHE_DTYPES}, got {getattr(self, name)!r}.")
+    if self.state_dtype not in ("bfloat16", "float32"):
+      raise ValueError(f"state_dtype must be bfloat16 or float32, got {self.state_dtype!r}.")
+    for name in ("block_size", "memory_bytes", "max_model_len"):
+      if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}.")
+    if self.num_speculative_tokens < 0:
+      raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}.")
+
+  @property
+  def planned_model_len(self) -> int:
+    """Tokens a request's blocks must cover: draft steps write up to k positions past its end."""
+    return self.max_model_len + self.num_speculative_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,27 +109,6 @@ class KVCacheLayer:
   name: str
   spec: KVCacheSpec
   backend: AttentionBackend
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerBinding:
-  """Where a layer's pages live.
-
-  Page of manager block ``b`` = ``tensor[b * block_stride_rows + ..., page_offset_bytes:...]``;
-  in kernel units, kernel block ``k`` is row ``base_row + k`` of the tensor viewed as rows of
-  ``kernel_page_bytes`` (dense: the tensor's own rows).
-  """
-
-  layer_name: str
-  kv_cache_group_id: int
-  attention_group_id: int
-  tensor: str
-  page_offset_bytes: int
-  page_size_bytes: int
-  block_stride_bytes: int
-  kernel_block_size: int | None
-  kernel_page_bytes: int
-  kernel_block_stride: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +143,12 @@ class KVCacheGroupSpec:
 
 @dataclasses.dataclass(frozen=True)
 class KVCacheConfig:
+  """A resolved plan: groups, attention groups (strides resolved), tensors and one view per layer.
+
+  ``max_model_len`` is the length the block tables cover (``CacheConfig.planned_model_len``).
+  """
+
+  cache_config: CacheConfig
   layout: str
   block_size: int
   requested_block_size: int
@@ -118,14 +158,14 @@ class KVCacheConfig:
   kv_cache_groups: tuple[KVCacheGroupSpec, ...]
   attention_groups: tuple[AttentionGroup, ...]
   tensors: tuple[KVCacheTensor, ...]
-  bindings: tuple[LayerBinding, ...]
+  views: tuple[KernelView, ...]
   stride_alignment_bytes: int
 
-  def binding(self, layer_name: str) -> LayerBinding:
-    for b in self.bindings:
-      if b.layer_name == layer_name:
-        return b
-    raise KeyError(f"no layer {layer_name!r} in the plan")
+  def view(self, layer_name: str) -> KernelView:
+    for v in self.views:
+      if v.layer_name == layer_name:
+        return v
+    raise KeyError(f"no layer {layer_name!r} in the plan; it has {', '.join(v.layer_name for v in self.views[:4])}...")
 
   @property
   def token_capacity(self) -> int:
@@ -148,6 +188,12 @@ class KVCacheConfig:
         t.name: jax.device_put(jnp.zeros((t.num_rows, t.row_bytes), jnp.uint8), device) for t in self.tensors
     }
 
+  def init_kernel_block_tables(self, max_num_reqs: int) -> tuple[jax.Array | None, ...]:
+    """Each attention group's persistent kernel-block table (None where the group has no split)."""
+    widths = self.block_table_widths()
+    return tuple(ag.init_kernel_block_table(max_num_reqs, widths[ag.kv_cache_group_id])
+                 for ag in self.attention_groups)
+
   def describe(self) -> dict:
     return {
         "layout": self.layout,
@@ -161,6 +207,7 @@ class KVCacheConfig:
         "blocks_per_full_length_request": self.blocks_per_request(self.max_model_len),
         "max_num_full_length_requests": self.max_num_full_length_requests,
         "total_bytes": sum(t.size_bytes for t in self.tensors),
+        "cache_config": dataclasses.asdict(self.cache_config),
         "kv_cache_groups": [
             {
                 "group_id": g,
@@ -180,7 +227,7 @@ class KVCacheConfig:
             {"name": t.name, "shape": [t.num_rows, t.row_bytes], "dtype": "uint8", "layers": len(t.layer_names)}
             for t in self.tensors
         ],
-        "bindings": [dataclasses.asdict(b) for b in self.bindings],
+        "views": [dataclasses.asdict(v) for v in self.views],
     }
 
 
@@ -207,45 +254,26 @@ def _token_group_bytes(layers: Sequence[KVCacheLayer]) -> int:
   return max(per_group.values(), default=0)
 
 
-def plan_kv_cache(
-    layers: Sequence[KVCacheLayer],
-    *,
-    block_size: int,
-    memory_bytes: int,
-    max_model_len: int,
-    layout: str = "packed",
-    kernel_block_size: int | None = None,
-) -> KVCacheConfig:
-  """Plans the KV cache of a model.
+def _size(n: float) -> str:
+  for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if n >= scale:
+      return f"{n / scale:.2f} {unit}"
+  return f"{int(n)} B"
 
-  Args:
-    layers: every cache of the model, token specs at ``block_size``.
-    block_size: requested manager block size (tokens); packed plans scale it up by a whole
-      factor when a per-request state page would not fit in one block.
-    memory_bytes: budget for all caches.
-    max_model_len: longest request; one request of that length must fit.
-    layout: ``"dense"`` or ``"packed"``.
-    kernel_block_size: requested kernel block size for token caches (dense splits); compressed
-      caches always read their backend's own page size.
 
-  Raises:
-    ValueError: naming the values, for a kernel size that does not divide the block size, no
-      common kernel block size, splitting padded pages or packed token caches, a ring that does
-      not divide the block, or a budget too small for one request.
-  """
-  if layout not in LAYOUTS:
-    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
+def _check_layers(layers: Sequence[KVCacheLayer]) -> None:
   if not layers:
     raise ValueError("a KV-cache plan needs at least one layer.")
   names = [l.name for l in layers]
   if len(set(names)) != len(names):
     raise ValueError(f"duplicate layer names: {sorted({n for n in names if names.count(n) > 1})}.")
-  if max_model_len <= 0 or memory_bytes <= 0:
-    raise ValueError(f"max_model_len ({max_model_len}) and memory_bytes ({memory_bytes}) must be positive.")
 
+
+def _resolve_block_size(layers: Sequence[KVCacheLayer], cc: CacheConfig) -> tuple[list[KVCacheLayer], int]:
+  """Backend-customized specs at the final block size (packed: scaled up until a state page fits)."""
   layers = [dataclasses.replace(l, spec=customize_attention_spec(l.backend, l.spec)) for l in layers]
-  requested = block_size
-  if layout == "packed":
+  block_size = cc.block_size
+  if cc.layout == "packed":
     anchor = _token_group_bytes(layers)
     state_page = max((l.spec.page_size_bytes for l in layers if l.spec.is_state), default=0)
     if anchor and state_page > anchor:
@@ -259,24 +287,28 @@ def plan_kv_cache(
     if isinstance(l.spec, CircularBufferSpec) and block_size % l.spec.block_size:
       raise ValueError(
           f"{l.name}: the block size {block_size} must be a multiple of its ring of "
-          f"{l.spec.block_size} slots (ring and token blocks share packed blocks). Use a block size "
+          f"{l.spec.block_size} slots (ring and token blocks share packed blocks). Use a block_size "
           f"that is a multiple of {l.spec.block_size}."
       )
+  return layers, block_size
 
-  # KV-cache groups.
+
+def _group_layers(layers: Sequence[KVCacheLayer], layout: str) -> list[list[KVCacheLayer]]:
+  """KV-cache groups: token caches by block size and window; state layers split to fit a block."""
   buckets: dict = {}
   for l in layers:
     buckets.setdefault(_group_key(l.spec), []).append(l)
-  token_buckets = [b for k, b in buckets.items() if k[0] == "tokens"]
-  state_buckets = [b for k, b in buckets.items() if k[0] == "state"]
-  groups: list[list[KVCacheLayer]] = list(token_buckets)
+  groups = [b for k, b in buckets.items() if k[0] == "tokens"]
   anchor = _token_group_bytes(layers)
-  for bucket in state_buckets:
+  for bucket in (b for k, b in buckets.items() if k[0] == "state"):
     page = bucket[0].spec.page_size_bytes
     per_group = len(bucket) if layout == "dense" or not anchor else max(1, anchor // page)
     groups += [bucket[i:i + per_group] for i in range(0, len(bucket), per_group)]
+  return groups
 
-  # Attention groups: same spec and backend within a KV-cache group.
+
+def _make_attention_groups(groups, kernel_block_size: int | None) -> tuple[list[AttentionGroup], dict[str, int]]:
+  """Same spec and backend within a KV-cache group; kernel sizes resolved (strides not yet)."""
   attn_groups: list[AttentionGroup] = []
   layer_ag: dict[str, int] = {}
   for g, members in enumerate(groups):
@@ -287,102 +319,118 @@ def plan_kv_cache(
       layer_ag.update({n: len(attn_groups) for n in lnames})
       # The requested kernel size splits token caches; compressed caches keep their backend's pages.
       split = kernel_block_size if not spec.is_state and spec.tokens_per_state == 1 else None
-      attn_groups.append(AttentionGroup.create(backend, tuple(lnames), spec, g, kernel_block_size=split))
-  for ag in attn_groups:
-    if ag.kernel_block_size and isinstance(ag.kv_cache_spec, AttentionSpec) and ag.kv_cache_spec.page_size_padded:
-      raise ValueError(
-          f"Padded KV pages do not support kernel block splitting: {ag.layer_names[0]} pads its "
-          f"{ag.kv_cache_spec.block_size}-token page to {ag.kv_cache_spec.page_size_padded} bytes but "
-          f"{ag.backend.name} reads {ag.kernel_block_size}-token kernel blocks. Use --block-size "
-          f"{ag.kernel_block_size}."
-      )
+      ag = AttentionGroup.create(backend, tuple(lnames), spec, g, kernel_block_size=split)
+      if ag.kernel_block_size and isinstance(spec, AttentionSpec) and spec.page_size_padded:
+        raise ValueError(
+            f"Padded KV pages do not support kernel block splitting: {lnames[0]} pads its "
+            f"{spec.block_size}-token page to {spec.page_size_padded} bytes but {backend.name} reads "
+            f"{ag.kernel_block_size}-token kernel blocks. Use block_size {ag.kernel_block_size}."
+        )
+      attn_groups.append(ag)
+  return attn_groups, layer_ag
 
-  spec_of = {l.name: l.spec for l in layers}
-  alignments = [l.spec.get_block_stride_alignment() for l in layers]
-  stride_alignment = math.lcm(*alignments)
 
-  # Byte placement.
+def _place_pages(layers, groups, layout: str) -> tuple[dict[str, int], int, int]:
+  """Each layer's page offset in a block, the bytes per block and the stride alignment."""
+  stride_alignment = math.lcm(*(l.spec.get_block_stride_alignment() for l in layers))
   offsets: dict[str, int] = {}
-  if layout == "packed":
-    used = 0
-    for members in groups:
-      # Aligned layers first, each at a multiple of its alignment, so a re-strided compressed
-      # cache starts on a kernel-page boundary of the arena.
-      ordered = sorted(members, key=lambda l: -l.spec.get_block_stride_alignment())
-      off = 0
-      for l in ordered:
-        align = math.lcm(l.spec.get_block_stride_alignment(), _PACKED_ROW_ALIGNMENT)
-        off = -(-off // align) * align
-        offsets[l.name] = off
-        off += l.spec.page_size_bytes
-      used = max(used, off)
-    row_align = math.lcm(stride_alignment, _PACKED_ROW_ALIGNMENT)
-    bytes_per_block = -(-used // row_align) * row_align
-  else:
-    bytes_per_block = sum(l.spec.page_size_bytes for l in layers)
+  if layout == "dense":
+    return {l.name: 0 for l in layers}, sum(l.spec.page_size_bytes for l in layers), stride_alignment
+  used = 0
+  for members in groups:
+    # Aligned layers first, each at a multiple of its alignment, so a re-strided compressed
+    # cache starts on a kernel-page boundary of the arena.
+    off = 0
+    for l in sorted(members, key=lambda l: -l.spec.get_block_stride_alignment()):
+      off = round_up(off, math.lcm(l.spec.get_block_stride_alignment(), _PACKED_ROW_ALIGNMENT))
+      offsets[l.name] = off
+      off += l.spec.page_size_bytes
+    used = max(used, off)
+  return offsets, round_up(used, math.lcm(stride_alignment, _PACKED_ROW_ALIGNMENT)), stride_alignment
 
-  num_blocks = memory_bytes // bytes_per_block
-  group_specs = [members[0].spec for members in groups]
-  per_request = sum(s.max_num_blocks_per_req(max_model_len) for s in group_specs)
+
+def _count_blocks(groups, bytes_per_block: int, cc: CacheConfig) -> int:
+  num_blocks = cc.memory_bytes // bytes_per_block
+  per_request = sum(m[0].spec.max_num_blocks_per_req(cc.planned_model_len) for m in groups)
   if num_blocks - 1 < per_request:
+    need = (per_request + 1) * bytes_per_block
     raise ValueError(
-        f"{memory_bytes / 2**30:.3f} GiB holds {num_blocks} blocks of {bytes_per_block} bytes "
-        f"(block 0 is the null block), but one {max_model_len}-token request needs {per_request}. "
-        f"Raise --memory-gib to at least {(per_request + 1) * bytes_per_block / 2**30:.3f} or lower "
-        "--max-model-len."
+        f"memory_bytes {cc.memory_bytes:,} ({_size(cc.memory_bytes)}) holds {num_blocks} blocks of "
+        f"{bytes_per_block:,} bytes (block 0 is the null block), but one {cc.planned_model_len}-token request "
+        f"needs {per_request}. Raise memory_bytes to at least {need:,} ({_size(need)}) or lower max_model_len."
     )
+  return num_blocks
 
-  # Tensors and bindings.
+
+def _bind(layers, groups, attn_groups, layer_ag, offsets, bytes_per_block: int, num_blocks: int, layout: str):
+  """Backing tensors, one resolved view per layer, and the attention groups with their strides."""
   tensors: list[KVCacheTensor] = []
-  bindings: list[LayerBinding] = []
-  group_of = {l.name: g for g, members in enumerate(groups) for l in members}
+  views: list[KernelView] = []
   if layout == "packed":
     tensors.append(KVCacheTensor("kv_arena", num_blocks, bytes_per_block, tuple(l.name for l in layers)))
   for l in layers:
-    ag = attn_groups[layer_ag[l.name]]
+    ag_id = layer_ag[l.name]
+    ag = attn_groups[ag_id]
     if layout == "packed":
-      tensor, offset = tensors[0], offsets[l.name]
-      block_stride = bytes_per_block
+      tensor, block_stride = tensors[0], bytes_per_block
     else:
       tensor = KVCacheTensor(l.name, num_blocks * ag.blocks_per_kernel_block, ag.kernel_page_bytes, (l.name,))
       tensors.append(tensor)
-      offset, block_stride = 0, spec_of[l.name].page_size_bytes
-    # Bind the planned shape now: the same check that binding the real array makes later.
-    view = ag.map_kv_cache_to_kernel_blocks(tensor.shape_dtype(), page_offset_bytes=offset)
-    bindings.append(
-        LayerBinding(
-            layer_name=l.name,
-            kv_cache_group_id=group_of[l.name],
-            attention_group_id=layer_ag[l.name],
-            tensor=tensor.name,
-            page_offset_bytes=offset,
-            page_size_bytes=l.spec.page_size_bytes,
-            block_stride_bytes=block_stride,
-            kernel_block_size=ag.kernel_block_size,
-            kernel_page_bytes=view.page_bytes,
-            kernel_block_stride=ag.stride,
-        )
-    )
-  max_index = max(
-      [num_blocks * max(s.block_size, 1) for s in group_specs] + [num_blocks * ag.stride for ag in attn_groups]
-  )
+      block_stride = l.spec.page_size_bytes
+    views.append(ag.map_kv_cache_to_kernel_blocks(
+        l.name, tensor.name, (tensor.num_rows, tensor.row_bytes), page_offset_bytes=offsets[l.name],
+        block_stride_bytes=block_stride, attention_group_id=ag_id))
+  resolved = []
+  for i, ag in enumerate(attn_groups):
+    strides = {v.stride for v in views if v.attention_group_id == i}
+    if len(strides) != 1:
+      raise ValueError(f"the layers of attention group {i} ({ag.layer_names[0]}...) resolved different strides "
+                       f"{sorted(strides)}; they must share one kernel-block table.")
+    resolved.append(ag.resolve(strides.pop()))
+  return tensors, views, resolved
+
+
+def plan_kv_cache(layers: Sequence[KVCacheLayer], cache_config: CacheConfig) -> KVCacheConfig:
+  """Plans the KV cache of a model.
+
+  Args:
+    layers: every cache of the model (``ModelRunner.get_kv_cache_layers(cache_config)``).
+    cache_config: block and kernel sizes, layout, dtypes, speculative tokens, memory, max length.
+
+  Raises:
+    ValueError: naming the values and parameters, for a kernel size that does not divide the block
+      size, no common kernel block size, splitting padded pages or packed token caches, a ring
+      that does not divide the block, or a budget too small for one request.
+  """
+  cc = cache_config
+  _check_layers(layers)
+  layers, block_size = _resolve_block_size(layers, cc)
+  groups = _group_layers(layers, cc.layout)
+  attn_groups, layer_ag = _make_attention_groups(groups, cc.kernel_block_size)
+  offsets, bytes_per_block, stride_alignment = _place_pages(layers, groups, cc.layout)
+  num_blocks = _count_blocks(groups, bytes_per_block, cc)
+  tensors, views, attn_groups = _bind(layers, groups, attn_groups, layer_ag, offsets, bytes_per_block, num_blocks,
+                                      cc.layout)
+  max_index = max([num_blocks * max(m[0].spec.block_size, 1) for m in groups]
+                  + [num_blocks * ag.stride for ag in attn_groups])
   if max_index > _INT32_MAX:
     raise ValueError(
         f"{num_blocks} blocks of {block_size} tokens give slot indices up to {max_index}, past int32. "
-        "Lower --memory-gib or the block size."
+        "Lower memory_bytes or block_size."
     )
   return KVCacheConfig(
-      layout=layout,
+      cache_config=cc,
+      layout=cc.layout,
       block_size=block_size,
-      requested_block_size=requested,
+      requested_block_size=cc.block_size,
       num_blocks=num_blocks,
       bytes_per_block=bytes_per_block,
-      max_model_len=max_model_len,
+      max_model_len=cc.planned_model_len,
       kv_cache_groups=tuple(
           KVCacheGroupSpec(tuple(l.name for l in m), m[0].spec, tuple(l.spec for l in m)) for m in groups
       ),
       attention_groups=tuple(attn_groups),
       tensors=tuple(tensors),
-      bindings=tuple(bindings),
+      views=tuple(views),
       stride_alignment_bytes=stride_alignment,
   )

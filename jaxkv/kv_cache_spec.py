@@ -17,6 +17,8 @@ import math
 import ml_dtypes  # noqa: F401  (registers bfloat16 / float8 names with numpy)
 import numpy as np
 
+from jaxkv.utils import cdiv
+
 __all__ = [
     "MultipleOf",
     "KVCacheSpec",
@@ -29,10 +31,6 @@ __all__ = [
     "dtype_size",
     "cdiv",
 ]
-
-
-def cdiv(a: int, b: int) -> int:
-  return -(-a // b)
 
 
 def dtype_size(dtype: str) -> int:

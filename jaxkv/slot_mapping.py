@@ -21,6 +21,7 @@ from jaxtyping import Array, Int
 
 __all__ = [
     "PAD_SLOT_ID",
+    "block_slots",
     "compute_slot_mapping",
     "compute_circular_slot_mapping",
     "compute_compressed_slot_mapping",
@@ -43,6 +44,17 @@ def _gather_block(block_table, num_blocks_per_row, req_indices, block_idx):
   c = jnp.where(valid, block_idx, 0)
   valid &= block_idx < num_blocks_per_row[r]
   return block_table[r, c], valid
+
+
+def block_slots(block_table, req_indices, positions, *, block_size: int, num_blocks_per_row=None):
+  """The slot formula, ``table[r, p // bs] * bs + p % bs``, and whether it names a live block.
+
+  The one definition that writers (``compute_slot_mapping``) and readers (sparse MLA) share.
+  Without ``num_blocks_per_row`` every in-range column counts as live.
+  """
+  counts = num_blocks_per_row if num_blocks_per_row is not None else jnp.full(block_table.shape[:1], block_table.shape[1])
+  block, valid = _gather_block(block_table, counts, req_indices, positions // block_size)
+  return block * block_size + positions % block_size, valid
 
 
 @functools.partial(
@@ -93,9 +105,10 @@ def compute_slot_mapping(
   else:
     is_local = True
     local_pos = positions
-  block, valid = _gather_block(block_table, num_blocks_per_row, req_indices, local_pos // block_size)
+  slot, valid = block_slots(block_table, req_indices, local_pos, block_size=block_size,
+                            num_blocks_per_row=num_blocks_per_row)
   valid &= is_local & (positions >= 0)
-  return jnp.where(valid, block * block_size + local_pos % block_size, PAD_SLOT_ID).astype(jnp.int32)
+  return jnp.where(valid, slot, PAD_SLOT_ID).astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("ring_size",))

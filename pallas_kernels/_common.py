@@ -78,6 +78,15 @@ def f32_bytes(x: jax.Array) -> jax.Array:
   return value_bytes(x.astype(jnp.float32)[..., None])
 
 
+def without_ref(kernel, position: int):
+  """``kernel`` taking one ref fewer: passes None at ``position`` (an optional operand left out)."""
+
+  def wrapped(*refs):
+    return kernel(*refs[:position], None, *refs[position:])
+
+  return wrapped
+
+
 def pow2_chunks(n: int) -> list[tuple[int, int]]:
   """``[(start, size)]`` covering ``[0, n)`` with power-of-two sizes (Triton block shapes)."""
   out, start = [], 0

@@ -2,10 +2,10 @@
 
 The cache is the real backing array, ``uint8[num_rows, row_bytes]``: a dense layer array (rows are
 manager pages, or kernel pages when split at allocation) or the packed arena (rows are packed
-blocks, the layer's page at ``page_offset_bytes``). Token slot ``s`` (manager units) lives in row
-``s // tokens_per_row`` at byte ``page_offset_bytes + (s % tokens_per_row) * entry_bytes``; for a
-dense split pass ``tokens_per_row = kernel_block_size``, which addresses the same bytes because
-``b*bs + off == (b*bpk + off//kbs)*kbs + off%kbs``. Slot -1 writes nothing.
+blocks). The layer's ``KernelView`` says where: slot ``s`` lives in view row
+``base_row + s // tokens_per_row`` at byte ``offset_bytes + (s % tokens_per_row) * entry_bytes``; a
+dense split has ``tokens_per_row = kernel_block_size``, which addresses the same bytes as the
+manager slot because ``b*bs + off == (b*bpk + off//kbs)*kbs + off%kbs``. Slot -1 writes nothing.
 
 Entries are bytes (``encode_entries``): bf16/f32 values bitcast, or fp8 e4m3 values followed by
 one power-of-two fp32 scale per 128 values.
@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Int, UInt8
 
+from jaxkv.kernel_view import KernelView
+from jaxkv.utils import cdiv
 from pallas_kernels._common import (
     FP8_DTYPE,
     FP8_GROUP,
@@ -40,8 +42,9 @@ __all__ = [
 
 
 def entry_bytes(dim: int, cache_dtype: str) -> int:
+  """Bytes of one cache entry of ``dim`` values: fp8 values plus one fp32 scale per 128 of them."""
   if cache_dtype == "fp8":
-    return dim + -(-dim // FP8_GROUP) * 4
+    return dim + cdiv(dim, FP8_GROUP) * 4
   return dim * jnp.dtype(cache_dtype).itemsize
 
 
@@ -50,7 +53,7 @@ def encode_entries(x: jax.Array, cache_dtype: str) -> UInt8[Array, "T E"]:
   t, d = x.shape
   if cache_dtype != "fp8":
     return jax.lax.bitcast_convert_type(x.astype(cache_dtype), jnp.uint8).reshape(t, -1)
-  groups = -(-d // FP8_GROUP)
+  groups = cdiv(d, FP8_GROUP)
   padded = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, groups * FP8_GROUP - d)))
   q, scale = quantize_fp8_pow2(padded.reshape(t, groups, FP8_GROUP))
   values = jax.lax.bitcast_convert_type(q.reshape(t, -1)[:, :d], jnp.uint8)
@@ -62,14 +65,14 @@ def decode_entries(entries: UInt8[Array, "T E"], cache_dtype: str, dim: int) -> 
   t = entries.shape[0]
   if cache_dtype != "fp8":
     return jax.lax.bitcast_convert_type(entries.reshape(t, dim, -1), jnp.dtype(cache_dtype))
-  groups = -(-dim // FP8_GROUP)
+  groups = cdiv(dim, FP8_GROUP)
   values = jax.lax.bitcast_convert_type(entries[:, :dim], FP8_DTYPE).astype(jnp.float32)
   scales = jax.lax.bitcast_convert_type(entries[:, dim:dim + 4 * groups].reshape(t, groups, 4), jnp.float32)
   return values * jnp.repeat(scales, FP8_GROUP, axis=1)[:, :dim]
 
 
-def _cache_write_kernel(slots_ref, entries_ref, cache_in_ref, cache_ref, *, tokens_per_row, page_offset_bytes):
-  # slots_ref: [T]; entries_ref: [T, E]; cache_ref: [num_rows, row_bytes] (aliases cache_in_ref).
+def _cache_write_kernel(slots_ref, entries_ref, cache_in_ref, cache_ref, *, view: KernelView):
+  # slots_ref: [T]; entries_ref: [T, E]; cache_ref: [view rows, row_bytes] (aliases cache_in_ref).
   del cache_in_ref
   t = pl.program_id(0)
   slot = slots_ref[t]
@@ -77,31 +80,32 @@ def _cache_write_kernel(slots_ref, entries_ref, cache_in_ref, cache_ref, *, toke
 
   @pl.when(slot >= 0)
   def _():
-    row = slot // tokens_per_row
-    col = page_offset_bytes + (slot % tokens_per_row) * e
+    row = view.base_row + slot // view.tokens_per_row
+    col = view.offset_bytes + (slot % view.tokens_per_row) * e
     # Triton blocks are powers of two: a 528-byte fp8 entry is stored as 512 + 16.
     for start, size in pow2_chunks(e):
       cache_ref[row, pl.ds(col + start, size)] = entries_ref[t, pl.ds(start, size)]
 
 
-def _validate(cache, entries, slots, tokens_per_row, page_offset_bytes):
-  if cache.ndim != 2 or cache.dtype != jnp.uint8:
-    raise ValueError(f"cache must be uint8[num_rows, row_bytes], got {cache.dtype}{list(cache.shape)}.")
+def _validate(cache, entries, slots, view: KernelView):
+  if cache.ndim != 2 or cache.dtype != jnp.uint8 or cache.size % view.row_bytes:
+    raise ValueError(f"cache must be uint8[num_rows, row_bytes] of whole {view.row_bytes}-byte view rows of "
+                     f"{view.layer_name}, got {cache.dtype}{list(cache.shape)}.")
   if entries.ndim != 2 or entries.dtype != jnp.uint8:
     raise ValueError(f"entries must be uint8[num_tokens, entry_bytes], got {entries.dtype}{list(entries.shape)}.")
   if slots.shape != entries.shape[:1] or slots.dtype != jnp.int32:
     raise ValueError(f"slots must be int32[{entries.shape[0]}], got {slots.dtype}{list(slots.shape)}.")
-  end = page_offset_bytes + tokens_per_row * entries.shape[1]
-  if tokens_per_row <= 0 or page_offset_bytes < 0 or end > cache.shape[1]:
+  end = view.offset_bytes + view.tokens_per_row * entries.shape[1]
+  if view.tokens_per_row <= 0 or view.offset_bytes < 0 or end > view.row_bytes:
     raise ValueError(
-        f"a page of {tokens_per_row} entries of {entries.shape[1]} bytes at offset {page_offset_bytes} "
-        f"ends at byte {end}, past the cache row of {cache.shape[1]} bytes."
+        f"a page of {view.tokens_per_row} entries of {entries.shape[1]} bytes at offset {view.offset_bytes} "
+        f"ends at byte {end}, past the view row of {view.row_bytes} bytes ({view.layer_name})."
     )
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("tokens_per_row", "page_offset_bytes", "implementation", "interpret"),
+    static_argnames=("view", "implementation", "interpret"),
     donate_argnames=("cache",),
 )
 def write_to_paged_cache(
@@ -109,8 +113,7 @@ def write_to_paged_cache(
     entries: UInt8[Array, "T E"],
     slots: Int[Array, "T"],
     *,
-    tokens_per_row: int,
-    page_offset_bytes: int = 0,
+    view: KernelView,
     implementation: str = "pallas",
     interpret: bool | None = None,
 ) -> UInt8[Array, "N R"]:
@@ -120,34 +123,33 @@ def write_to_paged_cache(
     cache: uint8 ``[num_rows, row_bytes]`` backing array (updated in place).
     entries: uint8 ``[num_tokens, entry_bytes]`` (``encode_entries``).
     slots: int32 ``[num_tokens]``, -1 for tokens that write nothing. Slots must be distinct.
-    tokens_per_row: entries per row of this layer (block size; kernel block size if split).
-    page_offset_bytes: the layer's page offset inside each row (packed arenas).
+    view: the layer's ``KernelView`` (rows, base row, page offset, entries per row).
     implementation: ``"pallas"`` or ``"xla"`` (the reference).
   """
   check_implementation(implementation)
-  _validate(cache, entries, slots, tokens_per_row, page_offset_bytes)
+  _validate(cache, entries, slots, view)
   if implementation == "xla":
-    return write_to_paged_cache_reference(cache, entries, slots, tokens_per_row=tokens_per_row,
-                                          page_offset_bytes=page_offset_bytes)
+    return write_to_paged_cache_reference(cache, entries, slots, view=view)
+  rows = cache.reshape(-1, view.row_bytes)
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   return pl.pallas_call(
-      functools.partial(_cache_write_kernel, tokens_per_row=tokens_per_row, page_offset_bytes=page_offset_bytes),
-      out_shape=jax.ShapeDtypeStruct(cache.shape, cache.dtype),
+      functools.partial(_cache_write_kernel, view=view),
+      out_shape=jax.ShapeDtypeStruct(rows.shape, rows.dtype),
       grid=(entries.shape[0],),
       in_specs=[any_spec, any_spec, any_spec],
       out_specs=any_spec,
       input_output_aliases={2: 0},
       interpret=default_interpret(interpret),
       name="cache_write",
-  )(slots, entries, cache)
+  )(slots, entries, rows).reshape(cache.shape)
 
 
-def write_to_paged_cache_reference(cache, entries, slots, *, tokens_per_row: int, page_offset_bytes: int = 0):
+def write_to_paged_cache_reference(cache, entries, slots, *, view: KernelView):
   """Plain jnp: one scatter of the entry bytes; -1 slots go out of range and are dropped."""
-  num_rows = cache.shape[0]
+  rows = cache.reshape(-1, view.row_bytes)
   e = entries.shape[1]
   valid = slots >= 0
   # A -1 index would wrap to the last row: send it past the end instead.
-  rows = jnp.where(valid, slots // tokens_per_row, num_rows)
-  cols = page_offset_bytes + (slots % tokens_per_row)[:, None] * e + jnp.arange(e)
-  return cache.at[rows[:, None], cols].set(entries, mode="drop")
+  row = jnp.where(valid, view.base_row + slots // view.tokens_per_row, rows.shape[0])
+  cols = view.offset_bytes + (slots % view.tokens_per_row)[:, None] * e + jnp.arange(e)
+  return rows.at[row[:, None], cols].set(entries, mode="drop").reshape(cache.shape)

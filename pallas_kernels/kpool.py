@@ -31,16 +31,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int, UInt8
 
-from pallas_kernels._common import (
-    FP8_DTYPE,
-    FP8_MAX,
-    check_implementation,
-    default_interpret,
-    exp2_int,
-    pow2_scale_exponent,
-    value_bytes,
-)
-from pallas_kernels.cache_write import encode_entries, write_to_paged_cache
+from jaxkv.kernel_view import KernelView
+from pallas_kernels._common import FP8_DTYPE, check_implementation, default_interpret, quantize_fp8_pow2, value_bytes
+from pallas_kernels.cache_write import encode_entries, entry_bytes, write_to_paged_cache
 
 __all__ = [
     "kpool_compress_and_write",
@@ -54,9 +47,8 @@ INDEXER_CACHE_DTYPES = ("fp8", "bfloat16", "float32")
 
 
 def indexer_page_bytes(states_per_page: int, head_dim: int, cache_dtype: str) -> int:
-  if cache_dtype == "fp8":
-    return states_per_page * (head_dim + 4)
-  return states_per_page * head_dim * jnp.dtype(cache_dtype).itemsize
+  """A page of P pooled entries: the values of all P, then (fp8) their P scales; ``P * entry_bytes``."""
+  return states_per_page * entry_bytes(head_dim, cache_dtype)
 
 
 def combine_pool(keys: Float[Array, "... K D"], gates: Float[Array, "... K D"], ape: Float[Array, "K D"]):
@@ -72,13 +64,11 @@ def _encode_pooled(x: Float[Array, "... D"], model_dtype, cache_dtype: str):
   x = x.astype(model_dtype).astype(jnp.float32)
   if cache_dtype != "fp8":
     return value_bytes(x.astype(cache_dtype)), None
-  e = pow2_scale_exponent(jnp.max(jnp.abs(x), axis=-1, keepdims=True))
-  q = jnp.clip(x * exp2_int(-e), -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
-  return value_bytes(q), value_bytes(exp2_int(e))
+  q, scale = quantize_fp8_pow2(x)
+  return value_bytes(q), value_bytes(scale)
 
 
-def _kpool_kernel(slots_ref, keys_ref, gates_ref, ape_ref, cache_in_ref, cache_ref, *,
-                  base_row, page_offset, states_per_page, cache_dtype):
+def _kpool_kernel(slots_ref, keys_ref, gates_ref, ape_ref, cache_in_ref, cache_ref, *, view: KernelView, cache_dtype):
   # slots_ref: [T]; keys_ref / gates_ref: [T, K, D] (the pool ending at each token);
   # ape_ref: [K, D]; cache_ref: [num_rows, page_bytes] kernel pages (aliases cache_in_ref).
   del cache_in_ref
@@ -89,12 +79,13 @@ def _kpool_kernel(slots_ref, keys_ref, gates_ref, ape_ref, cache_in_ref, cache_r
   def _():
     pooled = combine_pool(keys_ref[t], gates_ref[t], ape_ref[...])
     values, scale = _encode_pooled(pooled, keys_ref.dtype, cache_dtype)
-    row = base_row + slot // states_per_page
-    entry = slot % states_per_page
+    p = view.entries_per_page
+    row = view.base_row + slot // p
+    entry = slot % p
     width = values.shape[-1]
-    cache_ref[row, pl.ds(page_offset + entry * width, width)] = values
+    cache_ref[row, pl.ds(view.offset_bytes + entry * width, width)] = values
     if scale is not None:
-      cache_ref[row, pl.ds(page_offset + states_per_page * width + entry * 4, 4)] = scale
+      cache_ref[row, pl.ds(view.offset_bytes + p * width + entry * 4, 4)] = scale
 
 
 def _pool_sources(tail, keys, gates, positions, req_indices, tail_slots, *, kpool, ring, tail_page_offset_bytes):
@@ -133,7 +124,9 @@ def _stash_slots(positions, req_indices, tail_slots, ring):
 
 
 def _validate(cache, tail, keys, gates, ape, positions, req_indices, tail_slots, compressed_slots, *,
-              kpool, ring, base_row, states_per_page, cache_dtype, tail_page_offset_bytes, page_offset_bytes):
+              kpool, view: KernelView, tail_view: KernelView, cache_dtype):
+  ring, states_per_page, base_row = tail_view.block_size, view.entries_per_page, view.base_row
+  page_offset_bytes, tail_page_offset_bytes = view.offset_bytes, tail_view.offset_bytes
   t, d = keys.shape if keys.ndim == 2 else (None, None)
   if keys.ndim != 2 or gates.shape != keys.shape or gates.dtype != keys.dtype:
     raise ValueError(f"keys and gates must be [num_tokens, D] of one dtype, got {keys.dtype}{list(keys.shape)} "
@@ -162,8 +155,7 @@ def _validate(cache, tail, keys, gates, ape, positions, req_indices, tail_slots,
 
 @functools.partial(
     jax.jit,
-    static_argnames=("kpool", "ring", "base_row", "states_per_page", "cache_dtype", "tail_page_offset_bytes",
-                     "row_bytes", "page_offset_bytes", "implementation", "interpret"),
+    static_argnames=("view", "tail_view", "kpool", "cache_dtype", "implementation", "interpret"),
     donate_argnames=("cache", "tail"),
 )
 def kpool_compress_and_write(
@@ -177,14 +169,10 @@ def kpool_compress_and_write(
     tail_slots: Int[Array, "T"],
     compressed_slots: Int[Array, "T"],
     *,
+    view: KernelView,
+    tail_view: KernelView,
     kpool: int,
-    ring: int,
-    base_row: int,
-    states_per_page: int,
     cache_dtype: str = "fp8",
-    tail_page_offset_bytes: int = 0,
-    row_bytes: int | None = None,
-    page_offset_bytes: int = 0,
     implementation: str = "pallas",
     interpret: bool | None = None,
 ):
@@ -192,8 +180,8 @@ def kpool_compress_and_write(
 
   Args:
     cache: uint8 backing array of the indexer (the packed arena, or a dense layer array of kernel
-      pages), seen inside as the ``KernelPagedView`` rows ``[-1, row_bytes]`` (default: one kernel
-      page per row): kernel block ``k`` is row ``base_row + k`` at byte ``page_offset_bytes``. Donated.
+      pages), seen through ``view``: kernel block ``k`` is view row ``base_row + k`` at byte
+      ``offset_bytes``, ``entries_per_page`` entries per page. Donated.
     tail: uint8 ``[num_blocks, row_bytes]`` holding the tail ring pages, or None when the ring
       lives in ``cache`` itself (packed layout: one arena). Donated.
     keys, gates: ``[num_tokens, D]`` raw indexer key (after its LayerNorm) and gate, model dtype.
@@ -201,11 +189,10 @@ def kpool_compress_and_write(
     positions, req_indices: int32 ``[num_tokens]``; a request's tokens contiguous, in order.
     tail_slots: int32 ``[num_tokens]`` from ``compute_circular_slot_mapping`` (-1: padding).
     compressed_slots: int32 ``[num_tokens]`` from ``compute_compressed_slot_mapping``.
-    kpool, ring: pool size and ring capacity.
-    base_row, states_per_page: the indexer's ``KernelPagedView.base_row`` and entries per page.
+    view, tail_view: the indexer's and the tail ring's ``KernelView`` (the ring's block size is
+      its capacity).
+    kpool: pool size.
     cache_dtype: ``"fp8"`` (with scales), ``"bfloat16"`` or ``"float32"``.
-    tail_page_offset_bytes: the ring page's offset inside each row of its array.
-    row_bytes, page_offset_bytes: ``KernelPagedView.rows.shape[1]`` and ``.offset_bytes``.
 
   Returns:
     ``(cache, tail)`` updated (``tail`` is None when it lives in ``cache``).
@@ -213,28 +200,23 @@ def kpool_compress_and_write(
   check_implementation(implementation)
   shared = tail is None
   tail_rows = cache if shared else tail
-  d = keys.shape[-1] if keys.ndim == 2 else 0
-  page = indexer_page_bytes(states_per_page, d, cache_dtype) if cache_dtype in INDEXER_CACHE_DTYPES else 0
-  rb = row_bytes or page
-  if cache.ndim != 2 or cache.dtype != jnp.uint8 or not rb or cache.shape[1] % rb:
-    raise ValueError(f"cache must be uint8[num_rows, row_bytes] with rows of whole {rb}-byte view rows "
-                     f"({states_per_page} entries of {d} channels, {cache_dtype}), got {cache.dtype}{list(cache.shape)}.")
+  ring = tail_view.block_size
+  rb = view.row_bytes
+  if cache.ndim != 2 or cache.dtype != jnp.uint8 or cache.shape[1] % rb:
+    raise ValueError(f"cache must be uint8[num_rows, row_bytes] with rows of whole {rb}-byte view rows of "
+                     f"{view.layer_name}, got {cache.dtype}{list(cache.shape)}.")
   pages = cache.reshape(-1, rb)
   _validate(pages, tail_rows, keys, gates, ape, positions, req_indices, tail_slots, compressed_slots, kpool=kpool,
-            ring=ring, base_row=base_row, states_per_page=states_per_page, cache_dtype=cache_dtype,
-            tail_page_offset_bytes=tail_page_offset_bytes, page_offset_bytes=page_offset_bytes)
+            view=view, tail_view=tail_view, cache_dtype=cache_dtype)
   # Read the pools' earlier tokens from the ring before this step overwrites it.
   pool_k, pool_g = _pool_sources(tail_rows, keys, gates, positions, req_indices, tail_slots, kpool=kpool, ring=ring,
-                                 tail_page_offset_bytes=tail_page_offset_bytes)
+                                 tail_page_offset_bytes=tail_view.offset_bytes)
   if implementation == "xla":
-    pages = _write_pools_reference(pages, pool_k, pool_g, ape, compressed_slots, base_row=base_row,
-                                   page_offset=page_offset_bytes, states_per_page=states_per_page,
-                                   cache_dtype=cache_dtype)
+    pages = _write_pools_reference(pages, pool_k, pool_g, ape, compressed_slots, view=view, cache_dtype=cache_dtype)
   else:
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     pages = pl.pallas_call(
-        functools.partial(_kpool_kernel, base_row=base_row, page_offset=page_offset_bytes,
-                          states_per_page=states_per_page, cache_dtype=cache_dtype),
+        functools.partial(_kpool_kernel, view=view, cache_dtype=cache_dtype),
         out_shape=jax.ShapeDtypeStruct(pages.shape, pages.dtype),
         grid=(keys.shape[0],),
         in_specs=[any_spec] * 5,
@@ -247,15 +229,16 @@ def kpool_compress_and_write(
   # Stash the raw keys (head slot 0) and gates (head slot 1) of each request's last ring tokens.
   stash = _stash_slots(positions, req_indices, tail_slots, ring)
   tail_rows = cache if shared else tail
-  head_bytes = ring * d * keys.dtype.itemsize
+  head_bytes = ring * keys.shape[1] * keys.dtype.itemsize
   for head, x in enumerate((keys, gates)):
     tail_rows = write_to_paged_cache(tail_rows, encode_entries(x, jnp.dtype(keys.dtype).name), stash,
-                                     tokens_per_row=ring, page_offset_bytes=tail_page_offset_bytes + head * head_bytes,
-                                     implementation=implementation, interpret=interpret)
+                                     view=tail_view.with_offset(head * head_bytes), implementation=implementation,
+                                     interpret=interpret)
   return (tail_rows, None) if shared else (cache, tail_rows)
 
 
-def _write_pools_reference(cache, pool_k, pool_g, ape, slots, *, base_row, page_offset, states_per_page, cache_dtype):
+def _write_pools_reference(cache, pool_k, pool_g, ape, slots, *, view: KernelView, cache_dtype):
+  base_row, page_offset, states_per_page = view.base_row, view.offset_bytes, view.entries_per_page
   pooled = combine_pool(pool_k, pool_g, ape)
   values, scale = _encode_pooled(pooled, pool_k.dtype, cache_dtype)
   valid = slots >= 0
@@ -276,12 +259,12 @@ def kpool_compress_and_write_reference(cache, tail, keys, gates, ape, positions,
                                   compressed_slots, **kwargs, implementation="xla")
 
 
-def read_indexer_entries(pages: UInt8[Array, "N Pb"], page_ids: Int[Array, "..."], *, states_per_page: int,
-                         head_dim: int, cache_dtype: str, page_offset_bytes: int = 0) -> tuple[jax.Array, jax.Array]:
-  """Entries of whole pages ``[..., P, D]`` (float32 values as stored) and their scales ``[..., P]``."""
-  page = indexer_page_bytes(states_per_page, head_dim, cache_dtype)
-  rows = pages[page_ids][..., page_offset_bytes:page_offset_bytes + page]
-  p, d = states_per_page, head_dim
+def read_indexer_entries(cache: UInt8[Array, "N Rb"], kernel_blocks: Int[Array, "..."], *, view: KernelView,
+                         head_dim: int, cache_dtype: str) -> tuple[jax.Array, jax.Array]:
+  """Entries of whole kernel pages ``[..., P, D]`` (float32 values as stored) and their scales ``[..., P]``."""
+  p, d = view.entries_per_page, head_dim
+  page = indexer_page_bytes(p, d, cache_dtype)
+  rows = cache.reshape(-1, view.row_bytes)[view.base_row + kernel_blocks][..., view.offset_bytes:view.offset_bytes + page]
   if cache_dtype == "fp8":
     values = jax.lax.bitcast_convert_type(rows[..., : p * d], FP8_DTYPE).astype(jnp.float32)
     scales = jax.lax.bitcast_convert_type(rows[..., p * d: p * d + 4 * p].reshape(*rows.shape[:-1], p, 4), jnp.float32)

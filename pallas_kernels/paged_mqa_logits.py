@@ -21,7 +21,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int, UInt8
 
-from pallas_kernels._common import FP8_DTYPE, MIN_DOT_ROWS, check_implementation, default_interpret
+from jaxkv.kernel_view import KernelView
+from jaxkv.utils import cdiv
+from pallas_kernels._common import FP8_DTYPE, MIN_DOT_ROWS, check_implementation, default_interpret, without_ref
 from pallas_kernels.kpool import INDEXER_CACHE_DTYPES, indexer_page_bytes, read_indexer_entries
 
 __all__ = ["paged_mqa_logits", "paged_mqa_logits_reference"]
@@ -74,8 +76,8 @@ def _paged_mqa_logits_kernel(q_ref, w_ref, ctx_ref, kt_ref, values_ref, scales_r
   jax.lax.fori_loop(0, pages_per_program, body, 0)
 
 
-def _validate(q, pages, weights, context_lens, kernel_block_table, base_row, states_per_page, cache_dtype, row_bytes,
-              page_offset_bytes):
+def _validate(q, pages, weights, context_lens, kernel_block_table, view: KernelView, cache_dtype):
+  base_row, states_per_page, page_offset_bytes = view.base_row, view.entries_per_page, view.offset_bytes
   if q.ndim != 4:
     raise ValueError(f"q must be [batch, next_n, heads, head_dim], got {list(q.shape)}.")
   b, next_n, h, d = q.shape
@@ -89,7 +91,7 @@ def _validate(q, pages, weights, context_lens, kernel_block_table, base_row, sta
   if cache_dtype not in INDEXER_CACHE_DTYPES:
     raise ValueError(f"cache_dtype must be one of {INDEXER_CACHE_DTYPES}, got {cache_dtype!r}.")
   page = indexer_page_bytes(states_per_page, d, cache_dtype)
-  rb = row_bytes or page
+  rb = view.row_bytes
   elem = d * (1 if cache_dtype == "fp8" else jnp.dtype(cache_dtype).itemsize)
   if (pages.ndim != 2 or pages.dtype != jnp.uint8 or pages.shape[1] % rb or rb % elem or page_offset_bytes % elem
       or page_offset_bytes + page > rb):
@@ -102,8 +104,8 @@ def _validate(q, pages, weights, context_lens, kernel_block_table, base_row, sta
 
 @functools.partial(
     jax.jit,
-    static_argnames=("base_row", "states_per_page", "cache_dtype", "row_bytes", "page_offset_bytes",
-                     "pages_per_program", "num_warps", "num_stages", "implementation", "interpret"),
+    static_argnames=("view", "cache_dtype", "pages_per_program", "num_warps", "num_stages", "implementation",
+                     "interpret"),
 )
 def paged_mqa_logits(
     q: Float[Array, "B N H D"],
@@ -112,11 +114,8 @@ def paged_mqa_logits(
     context_lens: Int[Array, "B N"],
     kernel_block_table: Int[Array, "B M"],
     *,
-    base_row: int = 0,
-    states_per_page: int,
+    view: KernelView,
     cache_dtype: str = "fp8",
-    row_bytes: int | None = None,
-    page_offset_bytes: int = 0,
     pages_per_program: int = 8,
     num_warps: int | None = 2,
     num_stages: int | None = 3,
@@ -129,32 +128,27 @@ def paged_mqa_logits(
     q: ``[batch, next_n, heads, head_dim]`` queries (fp8 e4m3, bf16 or f32; q scales folded into
       ``weights``).
     pages: uint8 ``[num_rows, row_bytes]``: the backing array (packed arena or dense layer array),
-      read as kernel pages of ``indexer_page_bytes(P, D, cache_dtype)`` bytes.
+      read through ``view``: kernel page ``k`` is view row ``base_row + k`` at ``offset_bytes``.
     weights: float32 ``[batch * next_n, heads]`` per-head weights.
     context_lens: int32 ``[batch, next_n]`` entries visible to each query row.
     kernel_block_table: int32 ``[batch, max_pages]`` kernel page ids (``map_to_kernel_blocks``).
-    base_row: the layer's first kernel page in ``pages`` (``KernelPagedView.base_row``).
-    states_per_page: P, entries per kernel page (32 or 64).
+    view: the indexer layer's ``KernelView`` (``entries_per_page`` P is 32 or 64).
     cache_dtype: ``"fp8"``, ``"bfloat16"`` or ``"float32"``.
-    row_bytes, page_offset_bytes: the ``KernelPagedView`` row length (default: one page) and the
-      page's offset in it (an unsplit layer of a packed arena).
     pages_per_program, num_warps, num_stages: tuning (``benchmarks/kernels.py`` sweeps them).
   """
   check_implementation(implementation)
-  _validate(q, pages, weights, context_lens, kernel_block_table, base_row, states_per_page, cache_dtype, row_bytes,
-            page_offset_bytes)
+  _validate(q, pages, weights, context_lens, kernel_block_table, view, cache_dtype)
   if implementation == "xla":
-    return paged_mqa_logits_reference(q, pages, weights, context_lens, kernel_block_table, base_row=base_row,
-                                      states_per_page=states_per_page, cache_dtype=cache_dtype, row_bytes=row_bytes,
-                                      page_offset_bytes=page_offset_bytes)
+    return paged_mqa_logits_reference(q, pages, weights, context_lens, kernel_block_table, view=view,
+                                      cache_dtype=cache_dtype)
   b, next_n, h, d = q.shape
-  p = states_per_page
+  p = view.entries_per_page
   # Zero heads (zero weights) up to Triton's smallest dot tile: no effect on the sum.
   hp = max(MIN_DOT_ROWS, pl.next_power_of_2(h))
   if hp != h:
     q = jnp.pad(q, ((0, 0), (0, 0), (0, hp - h), (0, 0)))
     weights = jnp.pad(weights, ((0, 0), (0, hp - h)))
-  rows = pages.reshape(-1, row_bytes or indexer_page_bytes(p, d, cache_dtype))
+  rows = pages.reshape(-1, view.row_bytes)
   # Free typed views of the same bytes (no copy inside jit): values as [rows, page_bytes / D, D], so
   # a page's P entries are one 2-D block; fp8 scales as float32 words.
   if cache_dtype == "fp8":
@@ -166,17 +160,17 @@ def paged_mqa_logits(
     scales = None
   num_pages = kernel_block_table.shape[1]
   ppp = min(pages_per_program, num_pages)
-  num_chunks = -(-num_pages // ppp)
+  num_chunks = cdiv(num_pages, ppp)
   if num_chunks * ppp != num_pages:  # whole chunks: pad the table with null pages (masked anyway)
     kernel_block_table = jnp.pad(kernel_block_table, ((0, 0), (0, num_chunks * ppp - num_pages)))
   elem = d * (1 if cache_dtype == "fp8" else jnp.dtype(cache_dtype).itemsize)
-  kernel = functools.partial(_paged_mqa_logits_kernel, base_row=base_row, entry_row=page_offset_bytes // elem,
-                             scale_word=(page_offset_bytes + p * d) // 4, states_per_page=p,
+  kernel = functools.partial(_paged_mqa_logits_kernel, base_row=view.base_row, entry_row=view.offset_bytes // elem,
+                             scale_word=(view.offset_bytes + p * d) // 4, states_per_page=p,
                              next_n=next_n, pages_per_program=ppp)
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   operands = [q, weights, context_lens, kernel_block_table, values] + ([scales] if scales is not None else [])
   if scales is None:
-    kernel = functools.partial(_no_scales, kernel)
+    kernel = without_ref(kernel, 5)
   out = pl.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((b * next_n, num_chunks * ppp * p), jnp.float32),
@@ -190,20 +184,14 @@ def paged_mqa_logits(
   return out[:, : num_pages * p]
 
 
-def _no_scales(kernel, q_ref, w_ref, ctx_ref, kt_ref, values_ref, out_ref):
-  kernel(q_ref, w_ref, ctx_ref, kt_ref, values_ref, None, out_ref)
-
-
-def paged_mqa_logits_reference(q, pages, weights, context_lens, kernel_block_table, *, base_row: int = 0,
-                               states_per_page: int, cache_dtype: str = "fp8", row_bytes: int | None = None,
-                               page_offset_bytes: int = 0):
+def paged_mqa_logits_reference(q, pages, weights, context_lens, kernel_block_table, *, view: KernelView,
+                               cache_dtype: str = "fp8"):
   """Plain jnp: gather the pages, einsum, ReLU, head-weighted sum, scale, mask."""
   b, next_n, h, d = q.shape
-  p = states_per_page
-  rows = pages.reshape(-1, row_bytes or indexer_page_bytes(p, d, cache_dtype))
+  p = view.entries_per_page
   m = kernel_block_table.shape[1]
-  vals, scales = read_indexer_entries(rows, base_row + kernel_block_table, states_per_page=p, head_dim=d,
-                                      cache_dtype=cache_dtype, page_offset_bytes=page_offset_bytes)  # [B,M,P,D], [B,M,P]
+  vals, scales = read_indexer_entries(pages, kernel_block_table, view=view, head_dim=d,
+                                      cache_dtype=cache_dtype)  # [B,M,P,D], [B,M,P]
   s = jnp.einsum("bnhd,bmpd->bnhmp", q.astype(jnp.float32), vals, precision=jax.lax.Precision.HIGHEST,
                  preferred_element_type=jnp.float32)
   w = weights.reshape(b, next_n, h)

@@ -24,18 +24,26 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int, UInt8
 
-from pallas_kernels._common import FP8_DTYPE, FP8_GROUP, MIN_DOT_ROWS, check_implementation, default_interpret
+from jaxkv.kernel_view import KernelView
+from jaxkv.slot_mapping import block_slots
+from jaxkv.utils import cdiv
+from pallas_kernels._common import (
+    FP8_DTYPE,
+    FP8_GROUP,
+    MIN_DOT_ROWS,
+    check_implementation,
+    default_interpret,
+    without_ref,
+)
 from pallas_kernels.cache_write import decode_entries, entry_bytes
 
 __all__ = ["sparse_mla_decode", "sparse_mla_decode_reference"]
 
 
-def _token_rows(block_table, req, tok, *, block_size, tokens_per_row, entry_bytes_, page_offset_bytes):
-  """Row and byte column of each token's latent entry."""
-  width = block_table.shape[1]
-  col = jnp.minimum(tok // block_size, width - 1)
-  slot = block_table[req, col] * block_size + tok % block_size
-  return slot // tokens_per_row, page_offset_bytes + (slot % tokens_per_row) * entry_bytes_
+def _token_rows(block_table, req, tok, *, view: KernelView, entry_bytes_: int):
+  """View row and byte column of each token's latent entry (the writer's slot, ``block_slots``)."""
+  slot, _ = block_slots(block_table, req, tok, block_size=view.block_size)
+  return view.base_row + slot // view.tokens_per_row, view.offset_bytes + (slot % view.tokens_per_row) * entry_bytes_
 
 
 def _sparse_mla_kernel(q_ref, rows_ref, cols_ref, values_ref, scales_ref, acc_ref, m_ref, l_ref, *, latent_dim,
@@ -93,8 +101,8 @@ def _combine_splits(acc, m, s_sum):
   return jnp.sum(w[..., None] * acc, axis=1) / jnp.where(denom == 0, 1.0, denom)[..., None]
 
 
-def _validate(q, cache, token_indices, req_indices, block_table, *, block_size, tokens_per_row, page_offset_bytes,
-              cache_dtype):
+def _validate(q, cache, token_indices, req_indices, block_table, *, view: KernelView, cache_dtype):
+  block_size, tokens_per_row, page_offset_bytes = view.block_size, view.tokens_per_row, view.offset_bytes
   if q.ndim != 3:
     raise ValueError(f"q must be [num_tokens, heads, latent_dim], got {list(q.shape)}.")
   t, _, l = q.shape
@@ -110,18 +118,19 @@ def _validate(q, cache, token_indices, req_indices, block_table, *, block_size, 
     raise ValueError(f"fp8 latent caches need a latent dim that is a multiple of {FP8_GROUP}, got {l}.")
   e = entry_bytes(l, cache_dtype)
   align = 4 if cache_dtype == "fp8" else jnp.dtype(cache_dtype).itemsize
-  if cache.ndim != 2 or cache.dtype != jnp.uint8 or cache.shape[1] % align or page_offset_bytes % align:
+  if (cache.ndim != 2 or cache.dtype != jnp.uint8 or view.row_bytes % align or page_offset_bytes % align
+      or cache.size % view.row_bytes):
     raise ValueError(f"cache must be uint8[num_rows, row_bytes] with rows and page offset ({page_offset_bytes}) "
                      f"multiples of {align} bytes, got {cache.dtype}{list(cache.shape)}.")
-  if page_offset_bytes + tokens_per_row * e > cache.shape[1] or block_size % tokens_per_row:
+  if page_offset_bytes + tokens_per_row * e > view.row_bytes or block_size % tokens_per_row:
     raise ValueError(f"{tokens_per_row} latent entries of {e} bytes at offset {page_offset_bytes} do not fit rows of "
-                     f"{cache.shape[1]} bytes, or do not divide the block size {block_size}.")
+                     f"{view.row_bytes} bytes, or do not divide the block size {block_size}.")
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("block_size", "tokens_per_row", "page_offset_bytes", "cache_dtype", "sm_scale", "block_k",
-                     "block_h", "num_splits", "num_warps", "num_stages", "implementation", "interpret"),
+    static_argnames=("view", "cache_dtype", "sm_scale", "block_k", "block_h", "num_splits", "num_warps", "num_stages",
+                     "implementation", "interpret"),
 )
 def sparse_mla_decode(
     q: Float[Array, "T H L"],
@@ -130,9 +139,7 @@ def sparse_mla_decode(
     req_indices: Int[Array, "T"],
     block_table: Int[Array, "Rq W"],
     *,
-    block_size: int,
-    tokens_per_row: int | None = None,
-    page_offset_bytes: int = 0,
+    view: KernelView,
     cache_dtype: str = "bfloat16",
     sm_scale: float,
     block_k: int = 64,
@@ -151,8 +158,7 @@ def sparse_mla_decode(
     token_indices: int32 ``[num_tokens, K]`` selected token positions, -1 for none.
     req_indices: int32 ``[num_tokens]`` block-table row of each query, -1 for padding queries.
     block_table: int32 ``[rows, width]`` the latent group's manager block table.
-    block_size: manager block size; ``tokens_per_row``: entries per array row (block size, or the
-      kernel block size for a dense split); ``page_offset_bytes``: the layer's page offset.
+    view: the latent layer's ``KernelView`` (manager block size, entries per row, page offset).
     cache_dtype: ``"bfloat16"``, ``"float32"`` or ``"fp8"``.
     sm_scale: softmax scale.
     block_k, block_h, num_splits, num_warps, num_stages: tiles of selected tokens and heads, splits
@@ -160,11 +166,8 @@ def sparse_mla_decode(
       Triton's launch knobs (tuning; ``benchmarks/kernels.py`` sweeps them).
   """
   check_implementation(implementation)
-  tokens_per_row = tokens_per_row or block_size
-  _validate(q, cache, token_indices, req_indices, block_table, block_size=block_size, tokens_per_row=tokens_per_row,
-            page_offset_bytes=page_offset_bytes, cache_dtype=cache_dtype)
-  kw = dict(block_size=block_size, tokens_per_row=tokens_per_row, page_offset_bytes=page_offset_bytes,
-            cache_dtype=cache_dtype, sm_scale=sm_scale)
+  _validate(q, cache, token_indices, req_indices, block_table, view=view, cache_dtype=cache_dtype)
+  kw = dict(view=view, cache_dtype=cache_dtype, sm_scale=sm_scale)
   if implementation == "xla":
     return sparse_mla_decode_reference(q, cache, token_indices, req_indices, block_table, **kw)
   t, h, l = q.shape
@@ -177,20 +180,20 @@ def sparse_mla_decode(
   e = entry_bytes(l, cache_dtype)
   valid = (token_indices >= 0) & (req_indices[:, None] >= 0)
   rows, cols = _token_rows(block_table, jnp.maximum(req_indices, 0)[:, None], jnp.maximum(token_indices, 0),
-                           block_size=block_size, tokens_per_row=tokens_per_row, entry_bytes_=e,
-                           page_offset_bytes=page_offset_bytes)
+                           view=view, entry_bytes_=e)
   rows = jnp.where(valid, rows, -1)
   elem = 1 if cache_dtype == "fp8" else jnp.dtype(cache_dtype).itemsize
   cols = cols // elem
   k = token_indices.shape[1]
-  num_blocks = -(-k // block_k)
+  num_blocks = cdiv(k, block_k)
   if num_splits is None:
     # Enough programs to fill the GPU (~2 per SM of an H100/H200) without many tiny splits.
-    num_splits = max(1, min(num_blocks, -(-264 // (t * (hp // bh)))))
-  blocks_per_split = -(-num_blocks // num_splits)
+    num_splits = max(1, min(num_blocks, cdiv(264, t * (hp // bh))))
+  blocks_per_split = cdiv(num_blocks, num_splits)
   kp = num_splits * blocks_per_split * block_k
   rows = jnp.pad(rows, ((0, 0), (0, kp - k)), constant_values=-1)
   cols = jnp.pad(cols, ((0, 0), (0, kp - k)))
+  cache = cache.reshape(-1, view.row_bytes)
   n = cache.shape[0]
   if cache_dtype == "fp8":
     values = jax.lax.bitcast_convert_type(cache, FP8_DTYPE)
@@ -202,7 +205,7 @@ def sparse_mla_decode(
                              sm_scale=sm_scale, cache_dtype=cache_dtype)
   operands = [q, rows, cols, values]
   if scales is None:
-    kernel = functools.partial(_no_scales, kernel)
+    kernel = without_ref(kernel, 4)
   else:
     operands.append(scales)
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
@@ -221,21 +224,15 @@ def sparse_mla_decode(
   return _combine_splits(acc, m, s_sum)[:, :h]
 
 
-def _no_scales(kernel, q_ref, rows_ref, cols_ref, values_ref, acc_ref, m_ref, l_ref):
-  kernel(q_ref, rows_ref, cols_ref, values_ref, None, acc_ref, m_ref, l_ref)
-
-
-def sparse_mla_decode_reference(q, cache, token_indices, req_indices, block_table, *, block_size: int,
-                                tokens_per_row: int | None = None, page_offset_bytes: int = 0,
+def sparse_mla_decode_reference(q, cache, token_indices, req_indices, block_table, *, view: KernelView,
                                 cache_dtype: str = "bfloat16", sm_scale: float):
   """Plain jnp: gather the selected latent rows, masked softmax, weighted sum (float32)."""
-  tokens_per_row = tokens_per_row or block_size
+  cache = cache.reshape(-1, view.row_bytes)
   t, h, l = q.shape
   e = entry_bytes(l, cache_dtype)
   valid = (token_indices >= 0) & (req_indices[:, None] >= 0)
   row, col = _token_rows(block_table, jnp.maximum(req_indices, 0)[:, None], jnp.maximum(token_indices, 0),
-                         block_size=block_size, tokens_per_row=tokens_per_row, entry_bytes_=e,
-                         page_offset_bytes=page_offset_bytes)
+                         view=view, entry_bytes_=e)
   raw = cache[row[..., None], col[..., None] + jnp.arange(e)]  # [T, K, E]
   c = decode_entries(raw.reshape(-1, e), cache_dtype, l).astype(jnp.float32).reshape(t, -1, l)
   s = jnp.einsum("thl,tkl->thk", q.astype(jnp.float32), c, precision=jax.lax.Precision.HIGHEST) * sm_scale

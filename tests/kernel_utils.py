@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import (
+    CacheConfig,
     MultiGroupBlockTable,
     compute_circular_slot_mapping,
     compute_compressed_slot_mapping,
@@ -22,12 +23,10 @@ def tiny_plan(layout="packed", block_size=512, indexer_cache_dtype="fp8", kv_cac
   cfg = get_config("glm-5.3-flash-tiny")
   if overrides:
     cfg = dataclasses.replace(cfg, **overrides)
-  layers = get_kv_cache_layers(cfg, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
-                               indexer_cache_dtype=indexer_cache_dtype, state_dtype=state_dtype,
-                               num_speculative_tokens=num_spec)
-  plan = plan_kv_cache(layers, block_size=block_size, memory_bytes=memory_bytes, max_model_len=max_model_len,
-                       layout=layout)
-  return cfg, plan
+  cache = CacheConfig(block_size=block_size, layout=layout, kv_cache_dtype=kv_cache_dtype,
+                      indexer_cache_dtype=indexer_cache_dtype, state_dtype=state_dtype, num_speculative_tokens=num_spec,
+                      memory_bytes=memory_bytes, max_model_len=max_model_len)
+  return cfg, plan_kv_cache(get_kv_cache_layers(cfg, cache), cache)
 
 
 @dataclasses.dataclass
@@ -62,8 +61,8 @@ def random_tables(plan, num_reqs, lengths, rng):
 
 
 def group_of(plan, layer_name):
-  b = plan.binding(layer_name)
-  return b.kv_cache_group_id, plan.attention_groups[b.attention_group_id], b
+  v = plan.view(layer_name)
+  return v.kv_cache_group_id, plan.attention_groups[v.attention_group_id], v
 
 
 def slots_for(plan, tables, batch, layer_name):

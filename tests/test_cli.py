@@ -26,7 +26,8 @@ def test_inspect_text_and_errors(capsys):
   widths = {g["kind"]: g["block_table_width"] for g in json.loads(capsys.readouterr().out)["plan"]["kv_cache_groups"]}
   assert widths["LinearAttentionStateSpec"] == 3 and widths["CircularBufferSpec"] == 1
   assert main(["inspect", "--block-size", "1024", "--kernel-block-size", "256"]) == 2
-  assert "cannot be split into" in capsys.readouterr().err
+  err = capsys.readouterr().err
+  assert "cannot be split into. Reduce --block-size to 256 or use --layout dense." in err
 
 
 def test_module_entry_point_help():

@@ -14,6 +14,7 @@ Where bitwise identity does not hold, the suite asserts a tolerance and says why
 - Pallas (interpret) against XLA kernels: their reductions are ordered differently.
 """
 
+import dataclasses
 import functools
 import json
 import pathlib
@@ -23,9 +24,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxkv import CacheConfig
 from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
 from models.glm5_next import Glm5NextForCausalLM, get_config
 from models.glm5_next.checkpoint import load_checkpoint
+from models.glm5_next.runner import Glm5NextRunner
 
 CFG = get_config("glm-5.3-flash-tiny")
 PROMPT_LENS = (13, 27, 5, 19)
@@ -39,21 +42,31 @@ def model():
 
 
 @functools.lru_cache(maxsize=None)
+def runner(implementation="xla", m=None):
+  return Glm5NextRunner.from_model(m or model(), implementation=implementation)
+
+
+@functools.lru_cache(maxsize=None)
 def prompts():
   rng = np.random.default_rng(0)
   return tuple(tuple(int(t) for t in rng.integers(1, 256, n)) for n in PROMPT_LENS)
 
 
+CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
+
+
 def cfg(**kw) -> EngineConfig:
-  """One token bucket for every step, so every variant runs the same compiled shapes."""
-  return EngineConfig(buckets=(64,), **kw)
+  """One token bucket for every step, so every variant runs the same compiled shapes; cache
+  options (``block_size=128``) go into the engine's ``CacheConfig``."""
+  cache = CacheConfig(**{k: v for k, v in kw.items() if k in CACHE_FIELDS})
+  return EngineConfig(cache=cache, **{"buckets": (64,), **{k: v for k, v in kw.items() if k not in CACHE_FIELDS}})
 
 
-def run(config: EngineConfig, *, alone=False, eager=False, sampling=SAMPLING):
+def run(config: EngineConfig, *, alone=False, eager=False, sampling=SAMPLING, implementation="xla"):
   ps = prompts()
   groups = [[p] for p in ps] if alone else [list(ps)]
   out = []
-  engine = LLMEngine(model(), config)  # alone: one request after another, on recycled blocks
+  engine = LLMEngine(runner(implementation), config)  # alone: one request after another, on recycled blocks
   for group in groups:
     if eager:
       with jax.disable_jit():
@@ -92,7 +105,7 @@ def test_alone_equals_batched():
 
 
 def test_other_token_buckets_within_tolerance():
-  got, _ = run(EngineConfig(max_num_batched_tokens=13))  # buckets 8 and 13
+  got, _ = run(cfg(max_num_batched_tokens=13, buckets=None))  # buckets 8 and 13
   assert_close_runs(got, baseline(), atol=1e-5)
 
 
@@ -103,12 +116,12 @@ def test_preemption_and_recompute_change_nothing():
   sampling = SamplingParams(max_new_tokens=12, logprobs=5)
 
   def generate(config):
-    engine = LLMEngine(model(), config)
+    engine = LLMEngine(runner(), config)
     reqs = engine.generate(long_prompts, sampling)
     return [(r.output_token_ids, r.output_logprobs) for r in reqs], engine
 
   roomy, _ = generate(cfg(block_size=128, max_model_len=256))
-  probe = LLMEngine(model(), cfg(block_size=128, max_model_len=256))
+  probe = LLMEngine(runner(), cfg(block_size=128, max_model_len=256))
   state_blocks = probe.plan.blocks_per_request(1) - 1  # KDA groups + tail ring
   # Every request fits with one token block; only one can grow to its second one at a time.
   tight = cfg(block_size=128, max_model_len=256,
@@ -134,7 +147,7 @@ def test_eager_within_tolerance_of_jit():
 
 
 def test_pallas_kernels_within_tolerance_of_xla():
-  got, _ = run(cfg(implementation="pallas"))
+  got, _ = run(cfg(), implementation="pallas")
   assert_close_runs(got, baseline(), atol=1e-4)
 
 
@@ -161,7 +174,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent():
 
 
 def test_steady_decoding_does_not_compile():
-  engine = LLMEngine(model(), EngineConfig())
+  engine = LLMEngine(runner(), cfg(buckets=None))
   for i, p in enumerate(prompts()):
     engine.add_request(str(i), p, SamplingParams(max_new_tokens=12))
   engine.step()  # prefill
@@ -177,7 +190,7 @@ def test_engine_matches_hf_greedy(name):
   path = pathlib.Path(__file__).parent / "fixtures" / "hf" / name
   _, hf_model = load_checkpoint(path, dtype=jax.numpy.float32)
   expected = json.loads((path / "expected.json").read_text())
-  engine = LLMEngine(hf_model, cfg())
+  engine = LLMEngine(Glm5NextRunner.from_model(hf_model), cfg())
   reqs = engine.generate(expected["prompts"], SamplingParams(max_new_tokens=len(expected["greedy"][0])))
   for r, steps in zip(reqs, expected["greedy"]):
     assert r.output_token_ids == [s["token"] for s in steps]

@@ -97,7 +97,8 @@ def test_packed_compressed_round_trip(mode, batch, extra_pages, lead_pages):
   # Each packed block: other layers' pages before and after this layer's bpk pages.
   block_bytes = (lead_pages + bpk + extra_pages) * P * row
   arena = np.full((batch["num_blocks"], block_bytes), 0xAB, np.uint8)  # poisoned
-  view = group.map_kv_cache_to_kernel_blocks(jnp.asarray(arena), page_offset_bytes=lead_pages * P * row)
+  view = group.map_kv_cache_to_kernel_blocks("idx", "arena", arena.shape, page_offset_bytes=lead_pages * P * row)
+  group = group.resolve(view.stride)
   if bpk == 1:
     assert group.kernel_block_size is None
     return
@@ -107,7 +108,7 @@ def test_packed_compressed_round_trip(mode, batch, extra_pages, lead_pages):
     slots = np.asarray(compute_compressed_slot_mapping(kt, jnp.asarray(batch["counts"] * bpk), jnp.asarray(batch["reqs"]),
                                                        jnp.asarray(batch["pos"]), states_per_page=P,
                                                        compress_ratio=ratio))
-  pages = np.asarray(view.rows).copy()
+  pages = arena.reshape(-1, view.row_bytes).copy()
   values = batch["rng"].integers(0, 255, (len(slots), row)).astype(np.uint8)
   for t in np.flatnonzero(slots >= 0):
     page, entry = divmod(int(slots[t]), P)

@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkv import KernelView
 from kernel_utils import build_batch, random_tables, slots_for, tiny_plan
 from pallas_kernels.cache_write import decode_entries, encode_entries, entry_bytes, write_to_paged_cache
 
@@ -14,7 +15,7 @@ def test_cache_write_matches_reference(layout, cache_dtype):
   rng = np.random.default_rng(hash((layout, cache_dtype)) % 2**32)
   cfg, plan = tiny_plan(layout=layout, kv_cache_dtype=cache_dtype, block_size=512)
   name = f"layers.{cfg.dsa_layers[0]}.self_attn.mla"
-  b = plan.binding(name)
+  v = plan.view(name)
   tables = random_tables(plan, 3, [700, 30, 1100], rng)
   batch = build_batch([(0, 509, 7), (1, 0, 30), (2, 1023, 3)], num_tokens=48)  # crosses blocks; padded
   slots = slots_for(plan, tables, batch, name)
@@ -22,11 +23,9 @@ def test_cache_write_matches_reference(layout, cache_dtype):
   x = jnp.asarray(rng.standard_normal((48, cfg.kv_lora_rank)).astype(np.float32))
   entries = encode_entries(x, cache_dtype)
   assert entries.shape == (48, entry_bytes(cfg.kv_lora_rank, cache_dtype))
-  t = [t for t in plan.tensors if t.name == b.tensor][0]
+  t = [t for t in plan.tensors if t.name == v.tensor][0]
   poison = jnp.asarray(rng.integers(0, 256, (t.num_rows, t.row_bytes), dtype=np.uint8))
-  tpr = b.kernel_block_size or plan.block_size
-  outs = {impl: write_to_paged_cache(jnp.copy(poison), entries, slots, tokens_per_row=tpr,
-                                     page_offset_bytes=b.page_offset_bytes, implementation=impl)
+  outs = {impl: write_to_paged_cache(jnp.copy(poison), entries, slots, view=v, implementation=impl)
           for impl in ("pallas", "xla")}
   np.testing.assert_array_equal(outs["pallas"], outs["xla"])
   # Independent check: every live token's bytes at block*page + offset, nothing else touched.
@@ -35,7 +34,7 @@ def test_cache_write_matches_reference(layout, cache_dtype):
   for i, s in enumerate(np.asarray(slots)):
     if s >= 0:
       blk, off = divmod(int(s), plan.block_size)
-      start = blk * b.block_stride_bytes + b.page_offset_bytes + off * e
+      start = blk * v.block_stride_bytes + v.tensor_offset_bytes + off * e
       expect[start:start + e] = np.asarray(entries[i])
   np.testing.assert_array_equal(np.asarray(outs["pallas"]).reshape(-1), expect)
   back = decode_entries(entries, cache_dtype, cfg.kv_lora_rank)
@@ -46,14 +45,18 @@ def test_cache_write_matches_reference(layout, cache_dtype):
 def test_cache_write_is_in_place_and_validates():
   cache = jnp.zeros((4, 64), jnp.uint8) + 3
   entries = jnp.ones((2, 8), jnp.uint8)
-  out = write_to_paged_cache(cache, entries, jnp.array([1, -1], jnp.int32), tokens_per_row=8)
+  view = KernelView.for_rows(64, tokens_per_row=8)
+  out = write_to_paged_cache(cache, entries, jnp.array([1, -1], jnp.int32), view=view)
   assert cache.is_deleted()
   np.testing.assert_array_equal(out[0, 8:16], 1)
   assert int((out == 1).sum()) == 8 and int(out[3, -1]) == 3  # -1 did not wrap to the last row
-  with pytest.raises(ValueError, match=r"ends at byte 72, past the cache row of 64 bytes"):
-    write_to_paged_cache(out, entries, jnp.array([1, 2], jnp.int32), tokens_per_row=8, page_offset_bytes=8)
+  with pytest.raises(ValueError, match=r"ends at byte 72, past the view row of 64 bytes"):
+    write_to_paged_cache(out, entries, jnp.array([1, 2], jnp.int32), view=view.with_offset(8))
   with pytest.raises(ValueError, match=r"slots must be int32\[2\]"):
-    write_to_paged_cache(jnp.zeros((4, 64), jnp.uint8), entries, jnp.array([1, 2, 3], jnp.int32), tokens_per_row=8)
+    write_to_paged_cache(jnp.zeros((4, 64), jnp.uint8), entries, jnp.array([1, 2, 3], jnp.int32), view=view)
+  with pytest.raises(ValueError, match="whole 48-byte view rows"):
+    write_to_paged_cache(jnp.zeros((4, 64), jnp.uint8), entries, jnp.array([1, 2], jnp.int32),
+                         view=KernelView.for_rows(48, tokens_per_row=6))
   with pytest.raises(ValueError, match="implementation must be one of"):
-    write_to_paged_cache(jnp.zeros((4, 64), jnp.uint8), entries, jnp.array([1, 2], jnp.int32), tokens_per_row=8,
+    write_to_paged_cache(jnp.zeros((4, 64), jnp.uint8), entries, jnp.array([1, 2], jnp.int32), view=view,
                          implementation="cuda")

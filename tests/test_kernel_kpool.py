@@ -24,7 +24,6 @@ def run_chunks(layout, cache_dtype, model_dtype, lengths, chunk_sizes, rng, impl
   gates = [jnp.asarray(rng.standard_normal((n, d)) * 2, model_dtype) for n in lengths]
   ape = jnp.asarray(rng.standard_normal((kpool, d)) * 0.5, jnp.float32)
   done = [0] * len(lengths)
-  view = idx_ag.map_kv_cache_to_kernel_blocks(arrays[idx_b.tensor], page_offset_bytes=idx_b.page_offset_bytes)
   shared = idx_b.tensor == tail_b.tensor
   step = 0
   while any(dn < n for dn, n in zip(done, lengths)):
@@ -45,9 +44,8 @@ def run_chunks(layout, cache_dtype, model_dtype, lengths, chunk_sizes, rng, impl
     cslots = slots_for(plan, tables, batch, idx_name)
     cache, tail = kpool_compress_and_write(
         arrays[idx_b.tensor], None if shared else arrays[tail_b.tensor], k, g, ape,
-        jnp.asarray(batch.positions), jnp.asarray(batch.req_indices), tail_slots, cslots, kpool=kpool, ring=ring,
-        base_row=view.base_row, states_per_page=idx_ag.states_per_kernel_page, cache_dtype=cache_dtype,
-        tail_page_offset_bytes=tail_b.page_offset_bytes, implementation=implementation)
+        jnp.asarray(batch.positions), jnp.asarray(batch.req_indices), tail_slots, cslots, view=idx_b, tail_view=tail_b,
+        kpool=kpool, cache_dtype=cache_dtype, implementation=implementation)
     arrays[idx_b.tensor] = cache
     if not shared:
       arrays[tail_b.tensor] = tail
@@ -73,8 +71,6 @@ def test_chunked_compression_matches_whole_sequence_pooling(layout, cache_dtype,
   d, kpool = cfg.index_head_dim, cfg.index_kpool
   P = idx_ag.states_per_kernel_page
   arena = run["arrays"][idx_b.tensor]
-  pages = arena.reshape(-1, idx_b.kernel_page_bytes)
-  base = idx_ag.map_kv_cache_to_kernel_blocks(arena, page_offset_bytes=idx_b.page_offset_bytes).base_row
   gid = idx_b.kv_cache_group_id
   kt = np.asarray(idx_ag.map_to_kernel_block_table(jnp.asarray(run["tables"][gid].block_table)))
   for r, n in enumerate(lengths):
@@ -85,7 +81,7 @@ def test_chunked_compression_matches_whole_sequence_pooling(layout, cache_dtype,
     g = run["gates"][r][: num_pools * kpool].reshape(num_pools, kpool, d)
     want = combine_pool(k, g, run["ape"]).astype(model_dtype).astype(jnp.float32)
     e = np.arange(num_pools)
-    vals, scales = read_indexer_entries(pages, jnp.asarray(base + kt[r, e // P]), states_per_page=P, head_dim=d,
+    vals, scales = read_indexer_entries(arena, jnp.asarray(kt[r, e // P]), view=idx_b, head_dim=d,
                                         cache_dtype=cache_dtype)
     got = np.asarray(vals)[e, e % P] * np.asarray(scales)[e, e % P][:, None]
     if cache_dtype == "fp8":
@@ -108,7 +104,7 @@ def test_tail_ring_holds_each_requests_last_tokens():
   gid = tail_b.kv_cache_group_id
   for r, n in enumerate(lengths):
     block = run["tables"][gid].block_table[r, 0]
-    page = arena[block, tail_b.page_offset_bytes: tail_b.page_offset_bytes + tail_b.page_size_bytes]
+    page = arena[block, tail_b.tensor_offset_bytes: tail_b.tensor_offset_bytes + tail_b.page_bytes]
     kg = page.view(np.float32).reshape(2, ring, d)
     for p in range(max(0, n - ring), n):
       np.testing.assert_array_equal(kg[0, p % ring], np.asarray(run["keys"][r][p]))

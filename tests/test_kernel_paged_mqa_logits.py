@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkv import KernelView, round_up
 from pallas_kernels._common import quantize_fp8_pow2, value_bytes
 from pallas_kernels.kpool import indexer_page_bytes
 from pallas_kernels.paged_mqa_logits import paged_mqa_logits
@@ -38,7 +39,7 @@ def test_paged_mqa_logits(cache_dtype, q_dtype, p, next_n):
   total_pages = 3 + b * max_pages + 5  # even: stored as rows of two pages, like an arena
   raw, exact = make_pages(rng, total_pages, p, d, cache_dtype)
   perm = rng.permutation(np.arange(1, total_pages - 3))[: b * max_pages].reshape(b, max_pages).astype(np.int32)
-  needed = -(-ctx.max(1) // p)
+  needed = (ctx.max(1) + p - 1) // p
   table = np.where(np.arange(max_pages)[None] < needed[:, None], perm, rng.integers(-5, 10**6, (b, max_pages)))
   base = 3
   page_bytes = raw.shape[1]
@@ -46,7 +47,8 @@ def test_paged_mqa_logits(cache_dtype, q_dtype, p, next_n):
   q = jnp.asarray(rng.standard_normal((b, next_n, h, d)).astype(np.float32)).astype(q_dtype)
   w = jnp.asarray(rng.standard_normal((b * next_n, h)).astype(np.float32))
   args = (q, jnp.asarray(pages), w, jnp.asarray(ctx), jnp.asarray(table))
-  kw = dict(base_row=base, states_per_page=p, cache_dtype=cache_dtype, pages_per_program=2)
+  view = KernelView.for_rows(page_bytes, entries_per_page=p, base_row=base)
+  kw = dict(view=view, cache_dtype=cache_dtype, pages_per_program=2)
   got = np.asarray(paged_mqa_logits(*args, **kw, implementation="pallas"))
   ref = np.asarray(paged_mqa_logits(*args, **kw, implementation="xla"))
   # Float64 oracle.
@@ -65,14 +67,17 @@ def test_paged_mqa_logits(cache_dtype, q_dtype, p, next_n):
     np.testing.assert_allclose(out[finite], want[finite], rtol=tol, atol=tol * scale)
 
 
+VIEW = KernelView.for_rows(64 * 20, entries_per_page=64)
+
+
 def test_validation_names_shapes():
   q = jnp.zeros((2, 1, 4, 16), jnp.bfloat16)
   with pytest.raises(ValueError, match=r"weights must be float32\[2, 4\]"):
     paged_mqa_logits(q, jnp.zeros((4, 64 * 20), jnp.uint8), jnp.zeros((2, 3), jnp.float32),
-                     jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 2), jnp.int32), states_per_page=64)
+                     jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 2), jnp.int32), view=VIEW)
   with pytest.raises(ValueError, match="whole 1280-byte view rows"):
     paged_mqa_logits(q, jnp.zeros((4, 1000), jnp.uint8), jnp.zeros((2, 4), jnp.float32),
-                     jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 2), jnp.int32), states_per_page=64)
+                     jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 2), jnp.int32), view=VIEW)
 
 
 @pytest.mark.parametrize("cache_dtype", ["fp8", "float32"])
@@ -83,14 +88,14 @@ def test_unsplit_layer_of_a_packed_row(cache_dtype):
   raw, exact = make_pages(rng, blocks, p, d, cache_dtype)
   page = raw.shape[1]
   offset = 512
-  width = -(-(offset + page) // 512) * 512 + 512  # other layers' bytes before and after
+  width = round_up(offset + page, 512) + 512  # other layers' bytes before and after
   rows = rng.integers(0, 256, (blocks, width), dtype=np.uint8)
   rows[:, offset:offset + page] = raw
   table = np.array([[3], [5]], np.int32)
   ctx = np.array([[p], [p - 7]], np.int32)
   q = jnp.asarray(rng.standard_normal((b, 1, h, d)).astype(np.float32))
   w = jnp.asarray(rng.standard_normal((b, h)).astype(np.float32))
-  kw = dict(states_per_page=p, cache_dtype=cache_dtype, row_bytes=rows.shape[1], page_offset_bytes=offset)
+  kw = dict(view=KernelView.for_rows(rows.shape[1], entries_per_page=p, offset_bytes=offset), cache_dtype=cache_dtype)
   got = {impl: np.asarray(paged_mqa_logits(q, jnp.asarray(rows), w, jnp.asarray(ctx), jnp.asarray(table), **kw,
                                            implementation=impl)) for impl in ("pallas", "xla")}
   for i in range(b):

@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkv import KernelView
 from kernel_utils import build_batch, random_tables, slots_for, tiny_plan
 from pallas_kernels.cache_write import decode_entries, encode_entries, write_to_paged_cache
 from pallas_kernels.sparse_mla_decode import sparse_mla_decode
@@ -15,19 +16,17 @@ def test_sparse_mla_decode(layout, cache_dtype, rank):
   rng = np.random.default_rng(rank + len(layout) + len(cache_dtype))
   cfg, plan = tiny_plan(layout=layout, kv_cache_dtype=cache_dtype, block_size=512, kv_lora_rank=rank)
   name = f"layers.{cfg.dsa_layers[1]}.self_attn.mla"
-  b = plan.binding(name)
+  b = plan.view(name)
   lengths = [700, 45, 1024]
   tables = random_tables(plan, 3, lengths, rng)
   t_arr = [t for t in plan.tensors if t.name == b.tensor][0]
   cache = jnp.asarray(rng.integers(0, 256, (t_arr.num_rows, t_arr.row_bytes), dtype=np.uint8))  # poison
-  tpr = b.kernel_block_size or plan.block_size
   latents = []
   for r, n in enumerate(lengths):  # prefill each request's latents through the slot mapping
     x = rng.standard_normal((n, rank)).astype(np.float32)
     batch = build_batch([(r, 0, n)], n)
     entries = encode_entries(jnp.asarray(x), cache_dtype)
-    cache = write_to_paged_cache(cache, entries, slots_for(plan, tables, batch, name), tokens_per_row=tpr,
-                                 page_offset_bytes=b.page_offset_bytes)
+    cache = write_to_paged_cache(cache, entries, slots_for(plan, tables, batch, name), view=b)
     latents.append(np.asarray(decode_entries(entries, cache_dtype, rank), np.float64))
   # Queries: decode rows of each request, one padded query, spec-style consecutive rows of request 2.
   reqs = np.array([0, 1, 2, 2, 2, -1], np.int32)
@@ -41,8 +40,7 @@ def test_sparse_mla_decode(layout, cache_dtype, rank):
   q = rng.standard_normal((len(reqs), h, rank)).astype(np.float32)
   sm_scale = 1.0 / np.sqrt(rank)
   table = jnp.asarray(tables[b.kv_cache_group_id].block_table)
-  kw = dict(block_size=plan.block_size, tokens_per_row=tpr, page_offset_bytes=b.page_offset_bytes,
-            cache_dtype=cache_dtype, sm_scale=float(sm_scale))
+  kw = dict(view=b, cache_dtype=cache_dtype, sm_scale=float(sm_scale))
   args = (jnp.asarray(q), cache, jnp.asarray(idx), jnp.asarray(reqs), table)
   got = np.asarray(sparse_mla_decode(*args, **kw, implementation="pallas", block_k=16))
   ref = np.asarray(sparse_mla_decode(*args, **kw, implementation="xla"))
@@ -66,7 +64,8 @@ def test_validation():
   q = jnp.zeros((2, 4, 32), jnp.float32)
   with pytest.raises(ValueError, match=r"req_indices must be int32\[2\]"):
     sparse_mla_decode(q, jnp.zeros((4, 64 * 64), jnp.uint8), jnp.zeros((2, 8), jnp.int32), jnp.zeros(3, jnp.int32),
-                      jnp.zeros((2, 2), jnp.int32), block_size=64, sm_scale=1.0)
+                      jnp.zeros((2, 2), jnp.int32), view=KernelView.for_rows(64 * 64, tokens_per_row=64), sm_scale=1.0)
   with pytest.raises(ValueError, match="multiple of 128"):
     sparse_mla_decode(q, jnp.zeros((4, 64 * 64), jnp.uint8), jnp.zeros((2, 8), jnp.int32), jnp.zeros(2, jnp.int32),
-                      jnp.zeros((2, 2), jnp.int32), block_size=64, sm_scale=1.0, cache_dtype="fp8")
+                      jnp.zeros((2, 2), jnp.int32), view=KernelView.for_rows(64 * 64, tokens_per_row=64), sm_scale=1.0,
+                      cache_dtype="fp8")

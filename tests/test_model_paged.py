@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxkv import plan_kv_cache
-from kernel_utils import random_tables
-from models.glm5_next import Glm5NextForCausalLM, get_config, get_kv_cache_layers
-from models.glm5_next.paged import PagedLayout, StepInputs, paged_forward, paged_hidden_states, paged_mtp_forward
+from jaxkv import StepInputs, map_to_kernel_block_tables
+from kernel_utils import random_tables, tiny_plan
+from models.glm5_next import Glm5NextForCausalLM, get_config
+from models.glm5_next.paged import PagedLayout, paged_forward, paged_hidden_states, paged_mtp_forward
 
 CFG = get_config("glm-5.3-flash-tiny")
 NUM_TOKENS = 32  # one bucket for every step
@@ -26,11 +26,16 @@ def model():
 
 @functools.lru_cache(maxsize=None)
 def setup(layout, kv_dtype="float32", idx_dtype="float32", block_size=512, num_spec=0):
-  layers = get_kv_cache_layers(CFG, block_size=block_size, kv_cache_dtype=kv_dtype, indexer_cache_dtype=idx_dtype,
-                               state_dtype="float32", num_speculative_tokens=num_spec)
-  plan = plan_kv_cache(layers, block_size=block_size, memory_bytes=64 << 20, max_model_len=1024, layout=layout)
-  return plan, PagedLayout.build(plan, kv_cache_dtype=kv_dtype, indexer_cache_dtype=idx_dtype,
-                                 state_dtype="float32")
+  _, plan = tiny_plan(layout=layout, kv_cache_dtype=kv_dtype, indexer_cache_dtype=idx_dtype, block_size=block_size,
+                      num_spec=num_spec, memory_bytes=64 << 20, max_model_len=1024)
+  return plan, PagedLayout.from_plan(plan)
+
+
+def step_inputs(plan, tables, tok, pos, req, state_slots):
+  bt = tuple(jnp.asarray(t.block_table) for t in tables.block_tables)
+  nb = tuple(jnp.asarray(t.num_blocks_per_row) for t in tables.block_tables)
+  return StepInputs(jnp.asarray(tok, jnp.int32), jnp.asarray(pos, jnp.int32), jnp.asarray(req, jnp.int32), bt, nb,
+                    map_to_kernel_block_tables(plan.attention_groups, bt), state_slots)
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,8 +58,6 @@ class Runner:
 
   def run(self, ids, steps):
     out = {r: {} for r in range(len(ids))}
-    bt = tuple(jnp.asarray(t.block_table) for t in self.tables.block_tables)
-    nb = tuple(jnp.asarray(t.num_blocks_per_row) for t in self.tables.block_tables)
     for chunks in steps:
       tok, pos, req = [], [], []
       for r, start, n in chunks:
@@ -62,8 +65,8 @@ class Runner:
         pos += list(range(start, start + n))
         req += [r] * n
       pad = NUM_TOKENS - len(tok)
-      inp = StepInputs(jnp.asarray(tok + [0] * pad, jnp.int32), jnp.asarray(pos + [0] * pad, jnp.int32),
-                       jnp.asarray(req + [-1] * pad, jnp.int32), bt, nb, jnp.zeros(len(ids), jnp.int32))
+      inp = step_inputs(self.plan, self.tables, tok + [0] * pad, pos + [0] * pad, req + [-1] * pad,
+                        jnp.zeros(len(ids), jnp.int32))
       logits, self.caches = self.step_fn(self.caches, inp)
       logits = np.asarray(logits)
       for i, (r, p) in enumerate(zip(req, pos)):
@@ -138,8 +141,6 @@ def test_mtp_layer_paged_equals_reference(model):
   plan, layout = setup("packed", num_spec=2)
   tables = random_tables(plan, 1, [25], rng)
   caches = {t.name: jnp.asarray(rng.integers(0, 256, (t.num_rows, t.row_bytes), dtype=np.uint8)) for t in plan.tensors}
-  bt = tuple(jnp.asarray(t.block_table) for t in tables.block_tables)
-  nb = tuple(jnp.asarray(t.num_blocks_per_row) for t in tables.block_tables)
   slots = jnp.full((1,), 2, jnp.int32)
 
   @jax.jit
@@ -150,11 +151,10 @@ def test_mtp_layer_paged_equals_reference(model):
   got = []
   for start, n in ((0, 10), (10, 12)):  # 10: mid-pool; the MTP needs the token after each
     pad = NUM_TOKENS - n
-    inp = StepInputs(jnp.asarray(ids[start:start + n] + [0] * pad, jnp.int32),
-                     jnp.asarray(list(range(start, start + n)) + [0] * pad, jnp.int32),
-                     jnp.asarray([0] * n + [-1] * pad, jnp.int32), bt, nb, slots)
+    inp = step_inputs(plan, tables, ids[start:start + n] + [0] * pad, list(range(start, start + n)) + [0] * pad,
+                      [0] * n + [-1] * pad, slots)
     h, caches, _ = step(caches, inp, jnp.asarray(ids[start + 1:start + n + 1] + [0] * pad, jnp.int32))
     got.append(np.asarray(h[:n]))
   hidden = model.hidden_states(jnp.asarray([ids]))[:, :22]
-  want = model.mtp(hidden, model.embed_tokens[...][jnp.asarray([ids[1:]])], jnp.arange(22)[None])[0]
+  want = model.mtp(hidden, model.embed_tokens[...][jnp.asarray([ids[1:]])], jnp.arange(22)[None])[0][0]
   np.testing.assert_allclose(np.concatenate(got), np.asarray(want), atol=5e-5, rtol=0)

@@ -101,10 +101,10 @@ def test_mtp_draft_step(model):
   h = model.hidden_states(ids)
   next_e = model.embed_tokens[...][jnp.roll(ids, -1, axis=1)]
   pos = jnp.broadcast_to(jnp.arange(12), (2, 12))
-  draft = model.mtp(h, next_e, pos)
+  draft = model.mtp(h, next_e, pos)[0]
   assert draft.shape == h.shape and bool(jnp.isfinite(model.logits(draft)).all())
   # Position 0 sees no embedding: changing the next token there changes nothing at position 0.
-  other = model.mtp(h, next_e.at[:, 0].set(7.0), pos)
+  other = model.mtp(h, next_e.at[:, 0].set(7.0), pos)[0]
   np.testing.assert_allclose(other[:, 0], draft[:, 0], atol=1e-6)
 
 

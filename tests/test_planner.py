@@ -7,6 +7,7 @@ import pytest
 
 from jaxkv import (
     AttentionBackend,
+    CacheConfig,
     CircularBufferSpec,
     FullAttentionSpec,
     KVCacheLayer,
@@ -20,9 +21,9 @@ GIB = 2**30
 
 def glm_plan(block_size=1024, layout="packed", memory=80 * GIB, max_len=1 << 20, **kw):
   cfg = get_config("glm-5.3-flash")
-  layers = get_kv_cache_layers(cfg, block_size=block_size, **{k: v for k, v in kw.items() if k != "kernel_block_size"})
-  return plan_kv_cache(layers, block_size=block_size, memory_bytes=memory, max_model_len=max_len, layout=layout,
-                       kernel_block_size=kw.get("kernel_block_size"))
+  cache = CacheConfig(block_size=block_size, layout=layout, memory_bytes=memory, max_model_len=max_len,
+                      kv_cache_dtype="bfloat16", indexer_cache_dtype="fp8", state_dtype="bfloat16", **kw)
+  return plan_kv_cache(get_kv_cache_layers(cfg, cache), cache)
 
 
 def test_glm_packed_plan_at_1024():
@@ -41,12 +42,13 @@ def test_glm_packed_plan_at_1024():
   assert plan.bytes_per_block >= 11 * (mla_page + 256 * 132)
   assert plan.num_blocks == 80 * GIB // plan.bytes_per_block
   # Every indexer page starts on a kernel-page boundary of the arena.
-  for b in plan.bindings:
-    if b.layer_name.endswith(".indexer"):
-      assert b.page_offset_bytes % (64 * 132) == 0 and b.kernel_block_stride == idx.stride
+  for v in plan.views:
+    if v.layer_name.endswith(".indexer"):
+      assert v.tensor_offset_bytes % (64 * 132) == 0 and v.stride == idx.stride
+      assert (v.row_bytes, v.base_row, v.offset_bytes) == (64 * 132, v.tensor_offset_bytes // (64 * 132), 0)
   # Groups alias from byte 0, and no group's layers overlap inside a block.
   for g in groups:
-    spans = sorted((plan.binding(n).page_offset_bytes, plan.binding(n).page_size_bytes) for n in g.layer_names)
+    spans = sorted((plan.view(n).tensor_offset_bytes, plan.view(n).page_bytes) for n in g.layer_names)
     for (o1, s1), (o2, _) in zip(spans, spans[1:]):
       assert o1 + s1 <= o2
     assert spans[-1][0] + spans[-1][1] <= plan.bytes_per_block
@@ -55,17 +57,18 @@ def test_glm_packed_plan_at_1024():
 
 def test_glm_dense_plan_splits_at_allocation():
   plan = glm_plan(layout="dense", memory=200 * GIB, max_len=131072)
-  b = plan.binding("layers.3.self_attn.indexer")
-  assert b.kernel_block_size == 256 and b.kernel_block_stride == 4 and b.page_offset_bytes == 0
-  t = [t for t in plan.tensors if t.name == b.tensor][0]
+  v = plan.view("layers.3.self_attn.indexer")
+  assert v.kernel_block_size == 256 and v.stride == 4 and v.tensor_offset_bytes == 0 and v.row_bytes == 64 * 132
+  t = [t for t in plan.tensors if t.name == v.tensor][0]
   assert (t.num_rows, t.row_bytes) == (plan.num_blocks * 4, 64 * 132)
-  assert plan.bytes_per_block == sum(bb.page_size_bytes for bb in plan.bindings)
+  assert plan.bytes_per_block == sum(vv.page_bytes for vv in plan.views)
 
 
 def test_dense_kernel_split_of_token_cache():
   plan = glm_plan(layout="dense", memory=200 * GIB, max_len=131072, kernel_block_size=256)
-  mla = plan.binding("layers.3.self_attn.mla")
-  assert mla.kernel_block_size == 256 and mla.kernel_block_stride == 4 and mla.kernel_page_bytes == 256 * 1024
+  mla = plan.view("layers.3.self_attn.mla")
+  assert mla.kernel_block_size == 256 and mla.stride == 4 and mla.kernel_page_bytes == 256 * 1024
+  assert mla.tokens_per_row == 256 and mla.row_bytes == 256 * 1024
 
 
 @pytest.mark.parametrize("block_size, page_entries", [(384, 32), (640, 32), (1152, 32), (4608, 64), (2048, 64)])
@@ -97,8 +100,11 @@ def test_errors_name_the_values():
     glm_plan(kernel_block_size=96)
   with pytest.raises(ValueError, match="glm5_sparse_mla needs 256-token kernel blocks, which packed 1024-token .* cannot be split into"):
     glm_plan(kernel_block_size=256)
-  with pytest.raises(ValueError, match=r"Raise --memory-gib to at least"):
+  with pytest.raises(ValueError, match=r"memory_bytes 1,073,741,824 \(1.00 GiB\) holds 90 blocks .* Raise memory_bytes "
+                                       r"to at least 12,423,882,240 \(11.57 GiB\)"):
     glm_plan(memory=1 * GIB)
+  with pytest.raises(ValueError, match=r"Raise memory_bytes to at least 238,233,600 \(227.20 MiB\)"):
+    glm_plan(memory=1 << 20, max_len=1024)  # small sizes are not rounded to "0.000 GiB"
   with pytest.raises(ValueError, match="layout must be one of"):
     glm_plan(layout="blhnc")
 
@@ -108,14 +114,15 @@ def test_ring_must_divide_block_size():
   full = FullAttentionSpec(block_size=64, num_kv_heads=1, head_size=16, dtype="bfloat16")
   layers = [KVCacheLayer("a", full, AttentionBackend("a")), KVCacheLayer("t", ring, AttentionBackend("t"))]
   with pytest.raises(ValueError, match="block size 64 must be a multiple of its ring of 12"):
-    plan_kv_cache(layers, block_size=64, memory_bytes=GIB, max_model_len=1024)
+    plan_kv_cache(layers, CacheConfig(block_size=64, memory_bytes=GIB, max_model_len=1024))
 
 
 def test_padded_pages_cannot_be_split():
   spec = FullAttentionSpec(block_size=64, num_kv_heads=1, head_size=16, dtype="bfloat16", page_size_padded=8192)
   layers = [KVCacheLayer("a", spec, AttentionBackend("k", (16,)))]
   with pytest.raises(ValueError, match="Padded KV pages do not support kernel block splitting"):
-    plan_kv_cache(layers, block_size=64, memory_bytes=GIB, max_model_len=1024, layout="dense")
+    plan_kv_cache(layers, CacheConfig(block_size=64, memory_bytes=GIB, max_model_len=1024, layout="dense",
+                                      kernel_block_size=16))
 
 
 def test_tail_ring_size():
@@ -125,15 +132,20 @@ def test_tail_ring_size():
 def test_tiny_plan_allocates_and_binds_real_arrays():
   cfg = get_config("glm-5.3-flash-tiny")
   for layout in ("dense", "packed"):
-    layers = get_kv_cache_layers(cfg, block_size=256, num_speculative_tokens=3)
-    plan = plan_kv_cache(layers, block_size=256, memory_bytes=64 << 20, max_model_len=256, layout=layout)
+    cache = CacheConfig(block_size=256, memory_bytes=64 << 20, max_model_len=256, layout=layout,
+                        num_speculative_tokens=3)
+    plan = plan_kv_cache(get_kv_cache_layers(cfg, cache), cache)
+    assert plan.max_model_len == 259  # drafts write up to k positions past a request's end
     arrays = plan.allocate()
     assert sum(a.nbytes for a in arrays.values()) == sum(t.size_bytes for t in plan.tensors)
-    for b in plan.bindings:
-      ag = plan.attention_groups[b.attention_group_id]
-      view = ag.map_kv_cache_to_kernel_blocks(arrays[b.tensor], page_offset_bytes=b.page_offset_bytes)
-      assert view.page_bytes == b.kernel_page_bytes and ag.stride == b.kernel_block_stride
-      assert view.rows.dtype == jnp.uint8
+    for v in plan.views:
+      ag = plan.attention_groups[v.attention_group_id]
+      arr = arrays[v.tensor]
+      # Binding the real array gives the planned view, and the group's stride is the view's.
+      assert ag.map_kv_cache_to_kernel_blocks(v.layer_name, v.tensor, arr.shape, page_offset_bytes=v.tensor_offset_bytes,
+                                              block_stride_bytes=v.block_stride_bytes,
+                                              attention_group_id=v.attention_group_id) == v
+      assert ag.stride == v.stride and arr.size % v.row_bytes == 0 and arr.dtype == jnp.uint8
 
 
 def test_hf_config_json_flat_and_nested(tmp_path):

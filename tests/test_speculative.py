@@ -22,11 +22,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxkv import CacheConfig
 from jaxkv.engine import SamplingParams
 from jaxkv.engine.sampler import sample
 from jaxkv.kv_cache_manager import KVCacheManager
 from models.glm5_next import Glm5NextForCausalLM, get_kv_cache_layers
-from test_engine_equivalence import CFG, LLMEngine, assert_close_runs, baseline, cfg, model, prompts, run
+from models.glm5_next.runner import Glm5NextRunner
+from test_engine_equivalence import CFG, LLMEngine, assert_close_runs, baseline, cfg, model, prompts, run, runner
 
 LONG = SamplingParams(max_new_tokens=12, logprobs=5)
 
@@ -52,7 +54,7 @@ def long_baseline():
 
 def forced_run(k, corrupt, sampling=LONG, config=None):
   truth = {tuple(p): t for p, (t, _) in zip(prompts(), long_baseline())}
-  engine = ForcedDraftEngine(model(), config or cfg(num_speculative_tokens=k), truth=truth, corrupt=corrupt)
+  engine = ForcedDraftEngine(runner(), config or cfg(num_speculative_tokens=k), truth=truth, corrupt=corrupt)
   reqs = engine.generate(prompts(), sampling)
   return [(r.output_token_ids, r.output_logprobs) for r in reqs], engine
 
@@ -68,7 +70,7 @@ def test_without_index_sharing():
   """Draft steps >= 1 then run the MTP indexer themselves (writing pooled keys and ring slots)."""
   no_share = nnx.merge(*nnx.split(model()))  # a second module on the same weights
   no_share.config = dataclasses.replace(CFG, index_share_for_mtp_iteration=False)
-  engine = LLMEngine(no_share, cfg(num_speculative_tokens=3))
+  engine = LLMEngine(Glm5NextRunner.from_model(no_share), cfg(num_speculative_tokens=3))
   reqs = engine.generate(prompts(), SamplingParams(max_new_tokens=5, logprobs=5))
   assert engine.num_draft_tokens > 0
   assert_close_runs([(r.output_token_ids, r.output_logprobs) for r in reqs], baseline(), atol=1e-6)
@@ -109,12 +111,12 @@ def test_preemption_with_speculation():
   rng = np.random.default_rng(9)
   long_prompts = [list(rng.integers(1, 256, n)) for n in (124, 122, 126)]
   sampling = SamplingParams(max_new_tokens=12)
-  roomy = LLMEngine(model(), cfg(block_size=128, max_model_len=256)).generate(long_prompts, sampling)
-  probe = LLMEngine(model(), cfg(block_size=128, max_model_len=256, num_speculative_tokens=2))
+  roomy = LLMEngine(runner(), cfg(block_size=128, max_model_len=256)).generate(long_prompts, sampling)
+  probe = LLMEngine(runner(), cfg(block_size=128, max_model_len=256, num_speculative_tokens=2))
   state_blocks = probe.plan.blocks_per_request(1) - 1
   tight = cfg(block_size=128, max_model_len=256, num_speculative_tokens=2,
               memory_bytes=probe.plan.bytes_per_block * (1 + 3 * (state_blocks + 1) + 1))
-  engine = LLMEngine(model(), tight)
+  engine = LLMEngine(runner(), tight)
   got = engine.generate(long_prompts, sampling)
   assert engine.scheduler.num_preemptions > 0
   assert engine.kv.num_free_blocks == engine.plan.num_blocks - 1
@@ -123,7 +125,7 @@ def test_preemption_with_speculation():
 
 def test_seeded_sampling_with_speculation_is_batch_independent():
   sampling = SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9, seed=7)
-  engine = LLMEngine(model(), cfg(num_speculative_tokens=2))
+  engine = LLMEngine(runner(), cfg(num_speculative_tokens=2))
   batched = [r.output_token_ids for r in engine.generate(prompts(), sampling)]
   alone = [engine.generate([p], sampling)[0].output_token_ids for p in prompts()[:2]]
   assert batched[:2] == alone
@@ -131,7 +133,7 @@ def test_seeded_sampling_with_speculation_is_batch_independent():
 
 
 def test_steady_speculative_decoding_does_not_compile():
-  engine = LLMEngine(model(), cfg(num_speculative_tokens=3))
+  engine = LLMEngine(runner(), cfg(num_speculative_tokens=3))
   for i, p in enumerate(prompts()):
     engine.add_request(str(i), p, SamplingParams(max_new_tokens=12))
   engine.step()
@@ -155,10 +157,10 @@ def test_state_groups_own_one_slot_per_draft():
 def test_speculation_needs_the_mtp_layer():
   no_mtp = dataclasses.replace(CFG, num_nextn_predict_layers=0)
   with pytest.raises(ValueError, match="num_speculative_tokens=2 drafts with the MTP layer"):
-    get_kv_cache_layers(no_mtp, block_size=256, num_speculative_tokens=2)
+    get_kv_cache_layers(no_mtp, CacheConfig(block_size=256, num_speculative_tokens=2))
   m = Glm5NextForCausalLM(no_mtp, rngs=nnx.Rngs(0))  # as a checkpoint without layers.N.* loads
   with pytest.raises(ValueError, match="num_speculative_tokens=1 drafts with the MTP layer"):
-    LLMEngine(m, cfg(num_speculative_tokens=1))
+    LLMEngine(Glm5NextRunner.from_model(m), cfg(num_speculative_tokens=1))
 
 
 # -- the rejection sampler ------------------------------------------------------------------------

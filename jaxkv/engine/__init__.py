@@ -1,6 +1,7 @@
 """The decode engine: continuous batching, chunked prefill, preemption, sampling, jitted steps."""
 
 from jaxkv.engine.engine import EngineConfig, LLMEngine
+from jaxkv.engine.model_runner import MODEL_REGISTRY, ModelFamily, ModelRunner, get_model_family, plan_for
 from jaxkv.engine.request import MAX_LOGPROBS, Request, RequestOutput, RequestStatus, SamplingParams
 from jaxkv.engine.sampler import sample
 from jaxkv.engine.scheduler import ScheduledChunk, Scheduler
@@ -8,6 +9,11 @@ from jaxkv.engine.scheduler import ScheduledChunk, Scheduler
 __all__ = [
     "EngineConfig",
     "LLMEngine",
+    "MODEL_REGISTRY",
+    "ModelFamily",
+    "ModelRunner",
+    "get_model_family",
+    "plan_for",
     "MAX_LOGPROBS",
     "Request",
     "RequestOutput",

@@ -11,20 +11,24 @@ compiled executables plays the role of vLLM's CUDA graphs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
+from jaxkv.attention_group import AttentionGroup, map_to_kernel_block_tables
 from jaxkv.block_table import MultiGroupBlockTable
+from jaxkv.engine.model_runner import ModelRunner, plan_for
 from jaxkv.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from jaxkv.engine.sampler import sample
 from jaxkv.engine.scheduler import Scheduler
-from jaxkv.kv_cache_config import plan_kv_cache
+from jaxkv.kv_cache_config import CacheConfig
 from jaxkv.kv_cache_manager import KVCacheManager
+from jaxkv.kv_cache_report import render_plan
+from jaxkv.step_inputs import StepInputs
 
 __all__ = ["EngineConfig", "LLMEngine"]
 
@@ -34,30 +38,24 @@ class EngineConfig:
   """Static engine settings.
 
   Attributes:
-    block_size: manager block size; kernel_block_size: dense split of token caches.
-    layout: ``"dense"`` or ``"packed"``.
-    memory_bytes: KV-cache budget; max_model_len: longest request.
+    cache: the KV-cache options (block and kernel sizes, layout, dtypes, speculative tokens,
+      memory, max length): the one object every plan is made from.
     max_num_reqs: request rows per step; max_num_batched_tokens: token budget per step.
-    kv_cache_dtype, indexer_cache_dtype, state_dtype: cache precisions.
-    implementation: kernels, ``"pallas"`` or ``"xla"``.
     buckets: step token counts compiled for (default: powers of two up to the budget).
-    num_speculative_tokens: MTP drafts per request and step (0: no speculation); the model needs
-      its MTP layer (``num_nextn_predict_layers`` > 0).
   """
 
-  block_size: int = 256
-  kernel_block_size: int | None = None
-  layout: str = "packed"
-  memory_bytes: int = 64 << 20
-  max_model_len: int = 512
+  cache: CacheConfig = CacheConfig()
   max_num_reqs: int = 8
   max_num_batched_tokens: int = 64
-  kv_cache_dtype: str = "float32"
-  indexer_cache_dtype: str = "float32"
-  state_dtype: str = "float32"
-  implementation: str = "xla"
   buckets: tuple[int, ...] | None = None
-  num_speculative_tokens: int = 0
+
+  @property
+  def num_speculative_tokens(self) -> int:
+    return self.cache.num_speculative_tokens
+
+  @property
+  def max_model_len(self) -> int:
+    return self.cache.max_model_len
 
   @property
   def token_buckets(self) -> tuple[int, ...]:
@@ -71,31 +69,86 @@ class EngineConfig:
     return tuple(b) + (self.max_num_batched_tokens,)
 
 
+class _StepStatics:
+  """The step's static argument: the runner, the plan's layout and attention groups, the drafts.
+
+  Hashed once (a Flax graph takes milliseconds to hash) and interned, so every step of every
+  engine with equal settings finds its compiled executable by identity.
+  """
+
+  _interned: dict = {}
+
+  def __init__(self, runner: ModelRunner, layout, attention_groups: tuple[AttentionGroup, ...],
+               num_speculative_tokens: int):
+    self.runner, self.layout, self.attention_groups = runner, layout, attention_groups
+    self.num_speculative_tokens = num_speculative_tokens
+    self._key = (runner, layout, attention_groups, num_speculative_tokens)
+    self._hash = hash(self._key)
+
+  @classmethod
+  def intern(cls, *args) -> _StepStatics:
+    statics = cls(*args)
+    return cls._interned.setdefault(statics, statics)
+
+  def __hash__(self):
+    return self._hash
+
+  def __eq__(self, other):
+    return self is other or (isinstance(other, _StepStatics) and self._hash == other._hash and self._key == other._key)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
+def _device_step(statics: _StepStatics, params, caches, kernel_tables, inputs: StepInputs, sample_indices, next_ids,
+                 draft_ids, num_drafts, temperature, top_p, seeds, steps):
+  """Kernel-block tables, the trunk over the step's tokens, verification and sampling of each
+  sampling row, then the drafts for the next step.
+
+  ``kernel_tables``: each attention group's persistent kernel-block table (None without a split),
+  donated and rewritten by ``map_to_kernel_blocks`` from this step's manager tables: one mapping
+  for every step (normal, padding-only warm-up, verification and drafting).
+  ``sample_indices [R, S]``: flat indices of a row's tokens whose logits are sampled (its last
+  token and its drafts; -1: none). ``next_ids [T]``: the token after each step token when the host
+  knows it (-1: the token sampled here). Returns ``(tokens [R, S], num_accepted [R], top-k
+  log-probabilities and ids [R, S, K], drafts [R, k])``, the caches and the kernel tables.
+  """
+  runner, layout = statics.runner, statics.layout
+  kernel_tables = map_to_kernel_block_tables(statics.attention_groups, inputs.block_tables, kernel_tables)
+  inputs = dataclasses.replace(inputs, kernel_block_tables=kernel_tables)
+  hidden, caches = runner.forward(params, caches, inputs, layout)
+  logits = runner.compute_logits(params, hidden[jnp.maximum(sample_indices, 0)])  # [R, S, V]
+  tokens, num_accepted, top_lp, top_ids = sample(logits, temperature, top_p, seeds, steps, draft_ids, num_drafts)
+  k = statics.num_speculative_tokens
+  if k:
+    # The token after each step token is known on the host, or was just sampled (accepted drafts
+    # and the new token); drafts continue from each row's last accepted token.
+    t = next_ids.shape[0]
+    sampled = jnp.zeros((t,), jnp.int32).at[jnp.where(sample_indices >= 0, sample_indices, t)].set(tokens,
+                                                                                                   mode="drop")
+    next_ids = jnp.where(next_ids >= 0, next_ids, sampled)
+    last = jnp.take_along_axis(sample_indices, num_accepted[:, None], axis=1)[:, 0]  # [R]
+    draft_ids, caches = runner.propose_drafts(params, caches, hidden, next_ids, inputs, last, layout, num_drafts=k)
+  return (tokens, num_accepted, top_lp, top_ids, draft_ids), caches, kernel_tables
+
+
 class LLMEngine:
   """Serves many requests of one model over the paged caches of ``jaxkv``.
 
   ``add_request`` / ``abort`` / ``step`` (returns streamed ``RequestOutput``s) / ``generate``.
+
+  Args:
+    runner: the model (``ModelRunner``), e.g. ``Glm5NextRunner.from_model(model)``.
+    config: engine settings; ``config.cache`` is planned with ``plan_for(runner, config.cache)``,
+      exactly as ``jaxkv inspect`` plans it.
   """
 
-  def __init__(self, model, config: EngineConfig = EngineConfig()):
-    from models.glm5_next.kv_cache import get_kv_cache_layers
-    from models.glm5_next.paged import PagedLayout
-
+  def __init__(self, runner: ModelRunner, config: EngineConfig = EngineConfig()):
     self.config = config
-    self.model_config = model.config
+    self.runner = runner
     k = config.num_speculative_tokens
     if 1 + k > config.max_num_batched_tokens:
       raise ValueError(f"max_num_batched_tokens {config.max_num_batched_tokens} cannot hold a verify step of "
                        f"1 + {k} tokens.")
-    layers = get_kv_cache_layers(model.config, block_size=config.block_size, kv_cache_dtype=config.kv_cache_dtype,
-                                 indexer_cache_dtype=config.indexer_cache_dtype, state_dtype=config.state_dtype,
-                                 num_speculative_tokens=k)
-    # Draft steps write up to k positions past a request's last token.
-    self.plan = plan_kv_cache(layers, block_size=config.block_size, memory_bytes=config.memory_bytes,
-                              max_model_len=config.max_model_len + k, layout=config.layout,
-                              kernel_block_size=config.kernel_block_size)
-    self.layout = PagedLayout.build(self.plan, kv_cache_dtype=config.kv_cache_dtype,
-                                    indexer_cache_dtype=config.indexer_cache_dtype, state_dtype=config.state_dtype)
+    self.plan = plan_for(runner, config.cache)
     groups = self.plan.kv_cache_groups
     self.kv = KVCacheManager([g.kv_cache_spec for g in groups], self.plan.num_blocks, enable_caching=False)
     self.tables = MultiGroupBlockTable([g.kv_cache_spec.block_size for g in groups], config.max_num_reqs,
@@ -104,62 +157,23 @@ class LLMEngine:
                                max_num_batched_tokens=config.max_num_batched_tokens,
                                num_lookahead_tokens=max(k - 1, 0))
     self.caches = self.plan.allocate()
-    self._graphdef, self._params = nnx.split(model)
-    self._step = jax.jit(self._device_step, donate_argnums=1)
+    self.kernel_tables = self.plan.init_kernel_block_tables(config.max_num_reqs)
+    self._statics = _StepStatics.intern(runner, runner.paged_layout(self.plan), self.plan.attention_groups, k)
     self._requests: dict[str, Request] = {}
     self._arrivals = itertools.count()
     self.num_steps = 0
     self.num_draft_tokens = 0  # drafts verified
     self.num_accepted_tokens = 0  # of which accepted
 
-  # -- device ------------------------------------------------------------------------------
-
-  def _device_step(self, params, caches, inputs, sample_indices, next_ids, draft_ids, num_drafts, temperature, top_p,
-                   seeds, steps):
-    """The trunk over the step's tokens, verification and sampling of each sampling row, then the
-    MTP drafts for the next step.
-
-    ``sample_indices [R, S]``: flat indices of a row's tokens whose logits are sampled (its last
-    token and its drafts; -1: none). ``next_ids [T]``: the token after each step token when the host
-    knows it (-1: the token sampled here). Returns ``(tokens [R, S], num_accepted [R], top-k
-    log-probabilities and ids [R, S, K], drafts [R, k])`` and the caches.
-    """
-    from models.glm5_next.paged import StepInputs, paged_hidden_states, paged_mtp_forward
-
-    model = nnx.merge(self._graphdef, params)
-    impl = self.config.implementation
-    hidden, caches = paged_hidden_states(model, caches, inputs, self.layout, implementation=impl)
-    logits = model.logits(hidden[jnp.maximum(sample_indices, 0)])  # [R, S, V]
-    tokens, num_accepted, top_lp, top_ids = sample(logits, temperature, top_p, seeds, steps, draft_ids, num_drafts)
-    k = self.config.num_speculative_tokens
-    if not k:
-      return (tokens, num_accepted, top_lp, top_ids, draft_ids), caches
-    # MTP pass over every step token (it fills the MTP layer's caches, prompts included): the token
-    # after each is known on the host, or was just sampled (accepted drafts and the new token).
-    t = next_ids.shape[0]
-    sampled = jnp.zeros((t,), jnp.int32).at[jnp.where(sample_indices >= 0, sample_indices, t)].set(tokens, mode="drop")
-    next_ids = jnp.where(next_ids >= 0, next_ids, sampled)
-    h, caches, index_rows = paged_mtp_forward(model, caches, hidden, next_ids, inputs, self.layout,
-                                              implementation=impl)
-    # Draft chain from each row's last accepted token: draft j is the MTP layer's token at position
-    # p + j + 1, its hidden and the draft recycled for the next.
-    last = jnp.take_along_axis(sample_indices, num_accepted[:, None], axis=1)[:, 0]  # [R]
-    rows = jnp.where(last >= 0, jnp.arange(last.shape[0], dtype=jnp.int32), -1)
-    last = jnp.maximum(last, 0)
-    h, pos = h[last], inputs.positions[last]
-    shared = index_rows[last] if self.model_config.index_share_for_mtp_iteration else None
-    drafts = [jnp.argmax(model.logits(h), axis=-1).astype(jnp.int32)]
-    for j in range(1, k):
-      step = StepInputs(drafts[-1], pos + j, rows, inputs.block_tables, inputs.num_blocks, inputs.state_slots)
-      h, caches, _ = paged_mtp_forward(model, caches, h, drafts[-1], step, self.layout, implementation=impl,
-                                       shared_indices=shared)
-      drafts.append(jnp.argmax(model.logits(h), axis=-1).astype(jnp.int32))
-    return (tokens, num_accepted, top_lp, top_ids, jnp.stack(drafts, axis=1)), caches
+  def render_plan(self, title: str = "") -> str:
+    """The plan this engine serves from, as ``jaxkv inspect`` prints it."""
+    return render_plan(self.plan, title)
 
   @property
   def num_compilations(self) -> int:
-    """Compiled shapes of the step (one per token bucket used; steady state adds none)."""
-    return self._step._cache_size()
+    """Compiled shapes of the step in this process (one per settings and token bucket used; engines
+    with equal settings share them; steady state adds none)."""
+    return _device_step._cache_size()
 
   # -- requests ------------------------------------------------------------------------------
 
@@ -167,7 +181,7 @@ class LLMEngine:
     if request_id in self._requests:
       raise ValueError(f"request id {request_id!r} is already in use.")
     ids = [int(t) for t in prompt_token_ids]
-    vocab = self.model_config.vocab_size
+    vocab = self.runner.vocab_size
     if not ids or min(ids) < 0 or max(ids) >= vocab:
       raise ValueError(f"request {request_id!r}: prompt token ids must be non-empty and in [0, {vocab}).")
     if len(ids) + sampling.max_new_tokens > self.config.max_model_len:
@@ -243,16 +257,15 @@ class LLMEngine:
         top_p[req.row] = req.sampling.top_p
         seeds[req.row] = req.sampling.seed
         steps[req.row] = len(req.output_token_ids)
-    from models.glm5_next.paged import StepInputs
-
     tables = tuple(bt.block_table for bt in self.tables.block_tables)
     counts = tuple(bt.num_blocks_per_row for bt in self.tables.block_tables)
     # One host-to-device transfer for the whole step.
     (ids_d, pos_d, req_d, tables_d, counts_d, slots_d, *rest) = jax.device_put(
         (input_ids, positions, req_indices, tuple(t.copy() for t in tables), tuple(c.copy() for c in counts),
          state_slots, sample_indices, next_ids, draft_ids, num_drafts, temperature, top_p, seeds, steps))
-    inputs = StepInputs(ids_d, pos_d, req_d, tables_d, counts_d, slots_d)
-    out, self.caches = self._step(self._params, self.caches, inputs, *rest)
+    inputs = StepInputs(ids_d, pos_d, req_d, tables_d, counts_d, (None,) * len(self.kernel_tables), slots_d)
+    out, self.caches, self.kernel_tables = _device_step(self._statics, self.runner.params, self.caches,
+                                                        self.kernel_tables, inputs, *rest)
     return jax.device_get(out)  # one transfer back
 
   def _next_drafts(self, request: Request, drafts: list[int]) -> list[int]:

@@ -8,14 +8,9 @@ entry per ``kpool`` tokens, read by paged MQA logits in 32/64-entry pages) and t
 from __future__ import annotations
 
 from jaxkv.attention_backend import AttentionBackend
-from jaxkv.kv_cache_config import KVCacheLayer
-from jaxkv.kv_cache_spec import (
-    CircularBufferSpec,
-    LinearAttentionStateSpec,
-    MLAAttentionSpec,
-    MultipleOf,
-    cdiv,
-)
+from jaxkv.kv_cache_config import CACHE_DTYPES, CacheConfig, KVCacheLayer
+from jaxkv.kv_cache_spec import CircularBufferSpec, LinearAttentionStateSpec, MLAAttentionSpec, MultipleOf
+from jaxkv.utils import cdiv
 from models.glm5_next.config import Glm5NextConfig
 from pallas_kernels.cache_write import entry_bytes
 
@@ -36,9 +31,6 @@ SPARSE_MLA_BACKEND = AttentionBackend("glm5_sparse_mla", (MultipleOf(64),))
 KPOOL_TAIL_BACKEND = AttentionBackend("kpool_tail", (MultipleOf(1),))
 KDA_BACKEND = AttentionBackend("kda_state", ())
 
-CACHE_DTYPES = ("bfloat16", "float32", "fp8")
-
-
 def indexer_backend(kpool: int) -> AttentionBackend:
   """Pages of 32 or 64 pooled entries: ``kpool * 32`` or ``kpool * 64`` tokens."""
   return AttentionBackend("glm5_indexer", tuple(kpool * p for p in PAGED_MQA_PAGE_SIZES))
@@ -58,29 +50,20 @@ def _cache_spec_args(dim: int, cache_dtype: str) -> dict:
   return {"head_size": dim, "dtype": cache_dtype}
 
 
-def get_kv_cache_layers(
-    config: Glm5NextConfig,
-    *,
-    block_size: int,
-    kv_cache_dtype: str = "bfloat16",
-    indexer_cache_dtype: str = "fp8",
-    state_dtype: str = "bfloat16",
-    num_speculative_tokens: int = 0,
-) -> list[KVCacheLayer]:
+def get_kv_cache_layers(config: Glm5NextConfig, cache_config: CacheConfig) -> list[KVCacheLayer]:
   """Every cache of the text tower (and of the MTP layer when drafting), in layer order.
 
-  Args:
-    block_size: manager block size for the token caches.
-    kv_cache_dtype: MLA latent cache: ``"bfloat16"``, ``"float32"`` or ``"fp8"`` (e4m3 + scales).
-    indexer_cache_dtype: pooled indexer keys: ``"fp8"`` (132-byte rows, as vLLM serves them) or
-      ``"bfloat16"`` / ``"float32"`` (exact runs).
-    state_dtype: the tail ring's raw keys and gates and the KDA conv windows (model dtype).
-    num_speculative_tokens: MTP drafts per step: adds the MTP layer's own DSA caches (layer index
-      ``num_hidden_layers``), widens the tail rings and gives each KDA layer one state slot per
-      draft (the rollback of rejected drafts).
+  From ``cache_config``: ``block_size`` (token caches), ``kv_cache_dtype`` (MLA latents:
+  ``"bfloat16"``, ``"float32"`` or ``"fp8"`` e4m3 + scales), ``indexer_cache_dtype`` (pooled keys:
+  ``"fp8"``, 132-byte rows as vLLM serves them, or ``"bfloat16"`` / ``"float32"`` for exact runs),
+  ``state_dtype`` (tail rings and KDA conv windows: the model dtype) and
+  ``num_speculative_tokens`` (MTP drafts per step: adds the MTP layer's own DSA caches, layer index
+  ``num_hidden_layers``, widens the tail rings and gives each KDA layer one state slot per draft,
+  the rollback of rejected drafts).
   """
-  if num_speculative_tokens < 0:
-    raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}.")
+  block_size, state_dtype = cache_config.block_size, cache_config.state_dtype
+  kv_cache_dtype, indexer_cache_dtype = cache_config.kv_cache_dtype, cache_config.indexer_cache_dtype
+  num_speculative_tokens = cache_config.num_speculative_tokens
   if num_speculative_tokens and not config.num_nextn_predict_layers:
     raise ValueError(f"num_speculative_tokens={num_speculative_tokens} drafts with the MTP layer, but this config has "
                      "num_nextn_predict_layers=0 (the checkpoint has no layers.N.* MTP tensors); use 0.")

@@ -11,6 +11,7 @@ N mHC streams, E experts, I expert width, P pools, C pool slots.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -19,6 +20,8 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from models.glm5_next.config import Glm5NextConfig
+from pallas_kernels.kpool import combine_pool
+from pallas_kernels.topk_selection import select_topk_tokens
 
 __all__ = [
     "Glm5NextForCausalLM",
@@ -341,8 +344,6 @@ def select_indexer_tokens(scores, seq_lens, *, kpool: int, index_topk: int):
   Same rule as ``pallas_kernels.topk_selection.select_topk_tokens`` (higher score first, then lower
   pool index), batched over ``B``.
   """
-  from pallas_kernels.topk_selection import select_topk_tokens
-
   b, t, p = scores.shape
   out = select_topk_tokens(scores.reshape(b * t, p), seq_lens.reshape(b * t), kpool=kpool, index_topk=index_topk)
   return out.reshape(b, t, -1)
@@ -368,13 +369,13 @@ class Indexer(nnx.Module):
     return q, key, gate, w
 
   def pool(self, key, gate):
-    """Complete pools of a whole sequence: ``[B, T // kpool, K]`` (softmax in f32, cast before the sum)."""
+    """Complete pools of a whole sequence: ``[B, T // kpool, K]``, the kernels' ``combine_pool``
+    rounded to the model dtype (what the indexer cache stores)."""
     b, t, k = key.shape
     p = t // self.kpool
     kk = key[:, : p * self.kpool].reshape(b, p, self.kpool, k)
-    gg = gate[:, : p * self.kpool].reshape(b, p, self.kpool, k).astype(jnp.float32)
-    probs = jax.nn.softmax(gg + self.index_kpool_compress_ape[...].astype(jnp.float32), axis=2).astype(key.dtype)
-    return jnp.sum(probs * kk, axis=2)
+    gg = gate[:, : p * self.kpool].reshape(b, p, self.kpool, k)
+    return combine_pool(kk, gg, self.index_kpool_compress_ape[...]).astype(key.dtype)
 
   def scores(self, q, w, pooled):
     """``sum_h w_h relu(q_h . K_p / sqrt(K))`` in float32: ``[B, T, P]``."""
@@ -439,6 +440,13 @@ class SparseMLAttention(nnx.Module):
 # Layers and model
 
 
+def reference_attend(attn, x, prev_indices):
+  """Whole-sequence attention without caches: KDA from zero state, DSA with its own indexer."""
+  if isinstance(attn, KimiDeltaAttention):
+    return attn(x)[0], None
+  return attn(x, prev_indices)
+
+
 class DecoderLayer(nnx.Module):
   def __init__(self, config: Glm5NextConfig, layer_idx: int, *, dtype, rngs: nnx.Rngs | None):
     self.kind = config.layer_types[layer_idx]
@@ -455,14 +463,12 @@ class DecoderLayer(nnx.Module):
     self.attn_hc = HyperConnection(config, dtype=dtype, rngs=rngs)
     self.ffn_hc = HyperConnection(config, dtype=dtype, rngs=rngs)
 
-  def __call__(self, streams, prev_indices=None):
+  def __call__(self, streams, prev_indices=None, attend=None):
+    """One layer; ``attend(self_attn, x, prev_indices) -> (y, indices or None)`` is the attention
+    strategy (default: the whole-sequence reference; the paged step injects its cached form)."""
     post, comb, u = self.attn_hc(streams)
     x = self.input_layernorm(u)
-    indices = None
-    if self.kind == "linear_attention":
-      y, _ = self.self_attn(x)
-    else:
-      y, indices = self.self_attn(x, prev_indices)
+    y, indices = (attend or reference_attend)(self.self_attn, x, prev_indices)
     streams = HyperConnection.expand(post, comb, y, streams)
     post, comb, u = self.ffn_hc(streams)
     z = self.mlp(self.post_attention_layernorm(u))
@@ -488,16 +494,14 @@ class MTPLayer(nnx.Module):
     e = jnp.where((positions == 0)[..., None], 0.0, next_embeds).astype(hidden.dtype)
     return self.eh_proj(jnp.concatenate([self.enorm(e), self.hnorm(hidden)], axis=-1))
 
-  def finish(self, z, attn_out):
-    """The residual attention output, the MoE and the shared-head norm: the draft hidden ``h'``."""
-    z = z + attn_out
-    z = z + self.mlp(self.post_attention_layernorm(z))
-    return self.shared_head_norm(z)
-
-  def __call__(self, hidden, next_embeds, positions):
-    """``hidden [B, T, D]`` (post final norm) and the next tokens' embeddings -> draft hidden ``h'``."""
+  def __call__(self, hidden, next_embeds, positions, attend=None):
+    """``hidden [B, T, D]`` (post final norm) and the next tokens' embeddings -> ``(h', indices)``;
+    ``attend`` as in ``DecoderLayer``."""
     z = self.fuse(hidden, next_embeds, positions)
-    return self.finish(z, self.self_attn(self.input_layernorm(z))[0])
+    y, indices = (attend or reference_attend)(self.self_attn, self.input_layernorm(z), None)
+    z = z + y
+    z = z + self.mlp(self.post_attention_layernorm(z))
+    return self.shared_head_norm(z), indices
 
 
 class Glm5NextForCausalLM(nnx.Module):
@@ -517,13 +521,17 @@ class Glm5NextForCausalLM(nnx.Module):
     self.lm_head = _param(rngs, (config.vocab_size, d), dtype)
     self.mtp = MTPLayer(config, dtype=dtype, rngs=rngs) if config.num_nextn_predict_layers else None
 
-  def hidden_states(self, input_ids: Int[Array, "B T"]) -> Float[Array, "B T D"]:
-    """Post-final-norm hidden states (what the head and the MTP layer read)."""
+  def hidden_states(self, input_ids: Int[Array, "B T"], attend=None) -> Float[Array, "B T D"]:
+    """Post-final-norm hidden states (what the head and the MTP layer read).
+
+    ``attend(layer_index, self_attn, x, prev_indices) -> (y, indices)`` replaces the reference
+    attention (the paged step passes its cached form); the layer loop is the same for both.
+    """
     e = self.embed_tokens[...][input_ids]
     streams = jnp.broadcast_to(e[:, :, None], (*e.shape[:2], self.config.hc_mult, e.shape[-1]))
     indices = None
-    for layer in self.layers:
-      streams, out_indices = layer(streams, indices)
+    for i, layer in enumerate(self.layers):
+      streams, out_indices = layer(streams, indices, None if attend is None else functools.partial(attend, i))
       indices = out_indices if out_indices is not None else indices
     return self.norm(jnp.mean(streams, axis=2))
 

@@ -13,7 +13,11 @@ together. Every cache is read and written in place through ``jaxkv``:
 * KDA: the request's state slot (its one block in the layer's group) is read, advanced token by
   token, and written back; a request whose first token in the step is position 0 starts from zero.
 
-``PagedLayout.build(plan, ...)`` turns a ``KVCacheConfig`` into the static facts the step needs.
+Kernel-block tables come in ``StepInputs.kernel_block_tables``, mapped by each attention group
+(``AttentionGroup.map_to_kernel_block_table``) before the model runs; the model never re-derives
+them. ``PagedLayout.from_plan(plan)`` holds each cache's resolved ``KernelView``. The layer loop is
+the reference model's own (``Glm5NextForCausalLM.hidden_states``), with the cached attention
+injected.
 """
 
 from __future__ import annotations
@@ -25,98 +29,44 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from jaxkv.kernel_view import KernelView
 from jaxkv.kv_cache_config import KVCacheConfig
 from jaxkv.slot_mapping import compute_circular_slot_mapping, compute_compressed_slot_mapping, compute_slot_mapping
-from models.glm5_next.model import Glm5NextForCausalLM, HyperConnection, delta_rule_step
+from jaxkv.step_inputs import StepInputs
+from models.glm5_next.model import Glm5NextForCausalLM, KimiDeltaAttention, delta_rule_step
 from pallas_kernels.cache_write import encode_entries, write_to_paged_cache
 from pallas_kernels.kpool import kpool_compress_and_write
 from pallas_kernels.paged_mqa_logits import paged_mqa_logits
 from pallas_kernels.sparse_mla_decode import sparse_mla_decode
 from pallas_kernels.topk_selection import select_topk_tokens
 
-__all__ = ["PagedLayout", "StepInputs", "paged_forward", "paged_hidden_states", "paged_mtp_forward"]
+__all__ = ["PagedLayout", "paged_forward", "paged_hidden_states", "paged_mtp_forward"]
 
 _HP = jax.lax.Precision.HIGHEST
 
 
-@functools.partial(jax.tree_util.register_dataclass)
-@dataclasses.dataclass(frozen=True)
-class StepInputs:
-  """One step's per-token inputs and every group's block table (fixed, bucketed shapes).
-
-  Attributes:
-    input_ids, positions, req_indices: int32 ``[T]`` (padding tokens: ``req_indices == -1``).
-    block_tables: per KV-cache group, int32 ``[max_num_reqs, width]`` manager block ids.
-    num_blocks: per group, int32 ``[max_num_reqs]``.
-    state_slots: int32 ``[max_num_reqs]``: the KDA state slot each request continues from (the
-      last slot, ``num_speculative_tokens``, unless the previous step rejected drafts).
-  """
-
-  input_ids: Int[Array, "T"]
-  positions: Int[Array, "T"]
-  req_indices: Int[Array, "T"]
-  block_tables: tuple[Int[Array, "R W"], ...]
-  num_blocks: tuple[Int[Array, "R"], ...]
-  state_slots: Int[Array, "R"]
-
-
-@dataclasses.dataclass(frozen=True)
-class _CacheRef:
-  tensor: str
-  group: int
-  page_offset: int
-  tokens_per_row: int
-  kernel_block_size: int | None
-  blocks_per_kernel_block: int
-  stride: int
-  base_row: int
-  row_bytes: int  # KernelPagedView row length
-  view_offset: int  # KernelPagedView.offset_bytes
-  states_per_page: int
-
-
 @dataclasses.dataclass(frozen=True)
 class PagedLayout:
-  """Static facts of a plan, per layer: which tensor, group, offsets and kernel geometry."""
+  """The static facts the step needs of a plan: each cache's ``KernelView`` and the cache dtypes."""
 
-  block_size: int
-  ring: int
   kv_cache_dtype: str
   indexer_cache_dtype: str
   state_dtype: str
-  layers: tuple[tuple[str, _CacheRef], ...]
+  views: tuple[KernelView, ...]
 
   @classmethod
-  def build(cls, plan: KVCacheConfig, *, kv_cache_dtype: str, indexer_cache_dtype: str,
-            state_dtype: str) -> PagedLayout:
-    shapes = {t.name: t.shape_dtype() for t in plan.tensors}
-    refs = []
-    ring = 0
-    for b in plan.bindings:
-      ag = plan.attention_groups[b.attention_group_id]
-      view = ag.map_kv_cache_to_kernel_blocks(shapes[b.tensor], page_offset_bytes=b.page_offset_bytes)
-      spec = ag.kv_cache_spec
-      if b.layer_name.endswith("indexer_tail"):
-        ring = spec.block_size
-      refs.append((b.layer_name, _CacheRef(
-          tensor=b.tensor, group=b.kv_cache_group_id, page_offset=b.page_offset_bytes,
-          tokens_per_row=ag.kernel_block_size or spec.block_size, kernel_block_size=ag.kernel_block_size,
-          blocks_per_kernel_block=ag.blocks_per_kernel_block, stride=ag.stride, base_row=view.base_row,
-          row_bytes=view.rows.shape[1], view_offset=view.offset_bytes, states_per_page=ag.states_per_kernel_page)))
-    return cls(plan.block_size, ring, kv_cache_dtype, indexer_cache_dtype, state_dtype, tuple(refs))
+  def from_plan(cls, plan: KVCacheConfig) -> PagedLayout:
+    cc = plan.cache_config
+    return cls(cc.kv_cache_dtype, cc.indexer_cache_dtype, cc.state_dtype, plan.views)
 
-  def ref(self, name: str) -> _CacheRef:
-    return dict(self.layers)[name]
+  def view(self, name: str) -> KernelView:
+    for v in self.views:
+      if v.layer_name == name:
+        return v
+    raise KeyError(f"no cache {name!r} in the plan")
 
 
-def _kernel_table(ref: _CacheRef, table):
-  if ref.kernel_block_size is None:
-    return table
-  bpk = ref.blocks_per_kernel_block
-  return (table[:, :, None] * ref.stride + jnp.arange(bpk, dtype=jnp.int32)).reshape(table.shape[0], -1)
-
-
-def _kda_step(attn, x, caches, ref: _CacheRef, inputs: StepInputs, state_dtype: str):
+def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, state_dtype: str):
   """KDA over the flat batch on each request's state slots (its row of the layer's state group).
 
   A request owns ``S = 1 + num_speculative_tokens`` slots. The step continues from slot
@@ -127,13 +77,13 @@ def _kda_step(attn, x, caches, ref: _CacheRef, inputs: StepInputs, state_dtype: 
   """
   h, k, kw = attn.h, attn.k, attn.kw
   c = h * k
-  table = inputs.block_tables[ref.group]  # [R, S] state blocks
+  table = inputs.block_tables[view.kv_cache_group_id]  # [R, S] state blocks
   num_reqs, num_slots = table.shape
-  arr = caches[ref.tensor]
+  arr = caches[view.tensor]
   sdt = jnp.dtype(state_dtype)
   conv_bytes = (kw - 1) * 3 * c * sdt.itemsize
   rec_bytes = h * k * k * 4
-  cols = ref.page_offset + jnp.arange(conv_bytes + rec_bytes)
+  cols = view.offset_bytes + jnp.arange(conv_bytes + rec_bytes)
   raw = arr[jnp.take_along_axis(table, inputs.state_slots[:, None], axis=1), cols]  # [R, page]
   conv = jax.lax.bitcast_convert_type(raw[:, :conv_bytes].reshape(num_reqs, 3, kw - 1, c, sdt.itemsize), sdt)
   conv = jnp.concatenate([conv[:, 0], conv[:, 1], conv[:, 2]], axis=-1)  # [R, kw-1, 3C]
@@ -182,7 +132,7 @@ def _kda_step(attn, x, caches, ref: _CacheRef, inputs: StepInputs, state_dtype: 
       [jax.lax.bitcast_convert_type(p, jnp.uint8).reshape(num_reqs, num_slots, -1) for p in conv_parts]
       + [jax.lax.bitcast_convert_type(rec_slots, jnp.uint8).reshape(num_reqs, num_slots, -1)], axis=2)
   dest = jnp.where(written, table, arr.shape[0])
-  caches = {**caches, ref.tensor: arr.at[dest[:, :, None], cols].set(new, mode="drop")}
+  caches = {**caches, view.tensor: arr.at[dest[:, :, None], cols].set(new, mode="drop")}
   return y, caches
 
 
@@ -194,31 +144,30 @@ def _dsa_step(attn, x, caches, layout: PagedLayout, name: str, inputs: StepInput
   everywhere when ``share_indices`` (no scoring, no indexer-cache write).
   """
   t = x.shape[0]
-  mla, idx, tail = (layout.ref(f"{name}.{s}") for s in ("mla", "indexer", "indexer_tail"))
+  mla, idx, tail = (layout.view(f"{name}.{s}") for s in ("mla", "indexer", "indexer_tail"))
   req, pos = inputs.req_indices, inputs.positions
-  table, counts = inputs.block_tables[mla.group], inputs.num_blocks[mla.group]
+  table, counts = inputs.block_tables[mla.kv_cache_group_id], inputs.num_blocks[mla.kv_cache_group_id]
   q_resid, c_kv = attn.latent(x[None])
   q_resid, c_kv = q_resid[0], c_kv[0]
-  slots = compute_slot_mapping(table, counts, req, pos, block_size=layout.block_size)
+  slots = compute_slot_mapping(table, counts, req, pos, block_size=mla.block_size)
   caches = dict(caches)
   caches[mla.tensor] = write_to_paged_cache(caches[mla.tensor], encode_entries(c_kv, layout.kv_cache_dtype), slots,
-                                            tokens_per_row=mla.tokens_per_row, page_offset_bytes=mla.page_offset,
-                                            implementation=implementation)
+                                            view=mla, implementation=implementation)
   if attn.indexer is not None and not share_indices:
     ind = attn.indexer
     q, key, gate, w = ind.project(x[None], q_resid[None])
     q, key, gate, w = q[0], key[0], gate[0], w[0]
-    kt = _kernel_table(idx, table)
+    kt = inputs.kernel_block_tables[idx.attention_group_id]
+    kt = table if kt is None else kt
     cslots = compute_compressed_slot_mapping(kt, counts * idx.blocks_per_kernel_block, req, pos,
-                                             states_per_page=idx.states_per_page, compress_ratio=ind.kpool)
-    tail_slots = compute_circular_slot_mapping(inputs.block_tables[tail.group], req, pos, ring_size=layout.ring)
+                                             states_per_page=idx.entries_per_page, compress_ratio=ind.kpool)
+    tail_slots = compute_circular_slot_mapping(inputs.block_tables[tail.kv_cache_group_id], req, pos,
+                                               ring_size=tail.block_size)
     shared = idx.tensor == tail.tensor
     cache, tail_arr = kpool_compress_and_write(
         caches[idx.tensor], None if shared else caches[tail.tensor], key, gate,
-        ind.index_kpool_compress_ape[...].astype(jnp.float32), pos, req, tail_slots, cslots, kpool=ind.kpool,
-        ring=layout.ring, base_row=idx.base_row, states_per_page=idx.states_per_page,
-        cache_dtype=layout.indexer_cache_dtype, tail_page_offset_bytes=tail.page_offset, row_bytes=idx.row_bytes,
-        page_offset_bytes=idx.view_offset, implementation=implementation)
+        ind.index_kpool_compress_ape[...].astype(jnp.float32), pos, req, tail_slots, cslots, view=idx,
+        tail_view=tail, kpool=ind.kpool, cache_dtype=layout.indexer_cache_dtype, implementation=implementation)
     caches[idx.tensor] = cache
     if not shared:
       caches[tail.tensor] = tail_arr
@@ -226,9 +175,8 @@ def _dsa_step(attn, x, caches, layout: PagedLayout, name: str, inputs: StepInput
     q_in = q.astype(jnp.float32) if layout.indexer_cache_dtype == "float32" else q
     # relu(c * s) = c * relu(s) for c > 0: the 1/sqrt(K) score scale folds into the head weights.
     logits = paged_mqa_logits(q_in[:, None], caches[idx.tensor], w * ind.k ** -0.5, ((pos + 1) // ind.kpool)[:, None],
-                              kt[rows], base_row=idx.base_row, states_per_page=idx.states_per_page,
-                              cache_dtype=layout.indexer_cache_dtype, row_bytes=idx.row_bytes,
-                              page_offset_bytes=idx.view_offset, implementation=implementation)
+                              kt[rows], view=idx, cache_dtype=layout.indexer_cache_dtype,
+                              implementation=implementation)
     indices = select_topk_tokens(logits, pos + 1, kpool=ind.kpool, index_topk=ind.topk)
     indices = jnp.where((req >= 0)[:, None], indices, -1)
   else:
@@ -237,10 +185,9 @@ def _dsa_step(attn, x, caches, layout: PagedLayout, name: str, inputs: StepInput
   w_kvb = attn.kv_b_proj.weight[...].reshape(attn.h, attn.dk + attn.dv, -1)
   q = attn.q_b_proj(q_resid).reshape(t, attn.h, attn.dk)
   q_lat = jnp.einsum("thk,hkl->thl", q, w_kvb[:, : attn.dk].astype(q.dtype), precision=_HP)
-  o_lat = sparse_mla_decode(q_lat.astype(jnp.float32), caches[mla.tensor], indices, req, table,
-                            block_size=layout.block_size, tokens_per_row=mla.tokens_per_row,
-                            page_offset_bytes=mla.page_offset, cache_dtype=layout.kv_cache_dtype,
-                            sm_scale=attn.dk ** -0.5, implementation=implementation)
+  o_lat = sparse_mla_decode(q_lat.astype(jnp.float32), caches[mla.tensor], indices, req, table, view=mla,
+                            cache_dtype=layout.kv_cache_dtype, sm_scale=attn.dk ** -0.5,
+                            implementation=implementation)
   o = jnp.einsum("thl,hvl->thv", o_lat.astype(x.dtype), w_kvb[:, attn.dk:].astype(x.dtype), precision=_HP)
   return attn.o_proj(o.reshape(t, -1)), caches, indices
 
@@ -253,27 +200,24 @@ def paged_hidden_states(model: Glm5NextForCausalLM, caches: dict[str, jax.Array]
     model: the Flax model.
     caches: the plan's backing arrays (``KVCacheConfig.allocate``), updated functionally (donate
       them to the jitted step to update in place).
-    inputs: the step's tokens and block tables.
-    layout: ``PagedLayout.build(plan, ...)``.
+    inputs: the step's tokens, block tables and kernel-block tables.
+    layout: ``PagedLayout.from_plan(plan)``.
     implementation: the kernels' switch, ``"pallas"`` or ``"xla"``.
   """
-  config = model.config
-  x_e = model.embed_tokens[...][inputs.input_ids]
-  streams = jnp.broadcast_to(x_e[None, :, None], (1, x_e.shape[0], config.hc_mult, x_e.shape[-1]))
-  indices = None
-  for i, layer in enumerate(model.layers):
+  state = {"caches": caches}
+
+  def attend(i, attn, x, prev_indices):  # x: [1, T, D], the step's tokens as one sequence
     name = f"layers.{i}.self_attn"
-    post, comb, u = layer.attn_hc(streams)
-    x = layer.input_layernorm(u)[0]
-    if layer.kind == "linear_attention":
-      y, caches = _kda_step(layer.self_attn, x, caches, layout.ref(f"{name}.kda"), inputs, layout.state_dtype)
-    else:
-      y, caches, indices = _dsa_step(layer.self_attn, x, caches, layout, name, inputs, indices, implementation)
-    streams = HyperConnection.expand(post, comb, y[None], streams)
-    post, comb, u = layer.ffn_hc(streams)
-    z = layer.mlp(layer.post_attention_layernorm(u))
-    streams = HyperConnection.expand(post, comb, z, streams)
-  return model.norm(jnp.mean(streams, axis=2))[0], caches
+    if isinstance(attn, KimiDeltaAttention):
+      y, state["caches"] = _kda_step(attn, x[0], state["caches"], layout.view(f"{name}.kda"), inputs,
+                                     layout.state_dtype)
+      return y[None], None
+    y, state["caches"], indices = _dsa_step(attn, x[0], state["caches"], layout, name, inputs, prev_indices,
+                                            implementation)
+    return y[None], indices
+
+  hidden = model.hidden_states(inputs.input_ids[None], attend=attend)
+  return hidden[0], state["caches"]
 
 
 def paged_forward(model: Glm5NextForCausalLM, caches: dict[str, jax.Array], inputs: StepInputs, layout: PagedLayout,
@@ -303,9 +247,13 @@ def paged_mtp_forward(model: Glm5NextForCausalLM, caches: dict[str, jax.Array], 
     shared_indices: index rows ``[T, W]`` to attend with instead of running the indexer (draft
       steps >= 1 under ``index_share_for_mtp_iteration``: no scoring, no indexer-cache write).
   """
-  mtp = model.mtp
   name = f"layers.{model.config.num_hidden_layers}.self_attn"
-  z = mtp.fuse(hidden, model.embed_tokens[...][next_ids], inputs.positions)
-  y, caches, indices = _dsa_step(mtp.self_attn, mtp.input_layernorm(z), caches, layout, name, inputs, shared_indices,
-                                 implementation, share_indices=shared_indices is not None)
-  return mtp.finish(z, y), caches, indices
+  state = {"caches": caches}
+
+  def attend(attn, x, _):
+    y, state["caches"], indices = _dsa_step(attn, x[0], state["caches"], layout, name, inputs, shared_indices,
+                                            implementation, share_indices=shared_indices is not None)
+    return y[None], indices
+
+  h, indices = model.mtp(hidden[None], model.embed_tokens[...][next_ids][None], inputs.positions[None], attend=attend)
+  return h[0], state["caches"], indices

@@ -1,0 +1,88 @@
+"""What the engine needs of a model: the ``ModelRunner`` protocol, and the registry of model families.
+
+The engine sits above the models: it never imports one. A model package implements
+``ModelRunner`` (its caches as ``KVCacheLayer`` specs, its paged forward, its logits, its drafts)
+and is found by architecture name through ``MODEL_REGISTRY`` (``"module:Class"`` strings, imported
+on first use, as vLLM's model registry does).
+
+A runner is static configuration: it is hashed and compared as a ``jax.jit`` static argument, so
+two runners of equal structure (same graph, same implementation) share compiled steps; its
+``params`` pytree is passed to the step as an ordinary argument and takes no part in equality.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Hashable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+
+from jaxkv.kv_cache_config import CacheConfig, KVCacheConfig, KVCacheLayer, plan_kv_cache
+from jaxkv.step_inputs import StepInputs
+
+__all__ = ["ModelRunner", "ModelFamily", "MODEL_REGISTRY", "get_model_family", "plan_for"]
+
+
+@runtime_checkable
+class ModelRunner(Protocol):
+  """A model as the engine drives it (all array methods are pure and traced inside the step).
+
+  Attributes:
+    params: the weights (a pytree; the step's first argument).
+    vocab_size: token ids are in ``[0, vocab_size)``.
+    max_model_len: the longest sequence the model supports.
+  """
+
+  params: Any
+  vocab_size: int
+  max_model_len: int
+
+  def get_kv_cache_layers(self, cache_config: CacheConfig) -> Sequence[KVCacheLayer]:
+    """Every cache the model keeps (and its draft head when ``num_speculative_tokens`` > 0)."""
+
+  def paged_layout(self, plan: KVCacheConfig) -> Hashable:
+    """The static, hashable facts of the plan the forward needs (each cache's ``KernelView``)."""
+
+  def forward(self, params, caches: dict[str, jax.Array], inputs: StepInputs, layout) -> tuple[jax.Array, dict]:
+    """Hidden states ``[T, D]`` of the step's tokens and the updated caches."""
+
+  def compute_logits(self, params, hidden: jax.Array) -> jax.Array:
+    """float32 logits ``[..., V]`` of hidden states ``[..., D]``."""
+
+  def propose_drafts(self, params, caches, hidden, next_ids, inputs: StepInputs, last: jax.Array, layout, *,
+                     num_drafts: int) -> tuple[jax.Array, dict]:
+    """Drafts ``[R, num_drafts]`` continuing each row's token ``last[r]`` (-1: none), and the caches.
+
+    ``next_ids [T]``: the token after each step token (known or just sampled).
+    """
+
+
+class ModelFamily(Protocol):
+  """How the command line builds a runner of one architecture without importing it."""
+
+  def load_config(self, model_path: str): ...
+  def builtin_config(self, name: str): ...
+  def from_pretrained(self, model_path: str, *, dtype: str, implementation: str) -> ModelRunner: ...
+  def from_random(self, config, *, dtype: str, seed: int, implementation: str) -> ModelRunner: ...
+  def get_kv_cache_layers(self, config, cache_config: CacheConfig) -> Sequence[KVCacheLayer]: ...
+  def describe(self, config, cache_config: CacheConfig) -> str: ...
+
+
+# Architecture name -> "module:object". Imported on first use.
+MODEL_REGISTRY: dict[str, str] = {
+    "glm5_next": "models.glm5_next.runner:FAMILY",
+}
+
+
+def get_model_family(architecture: str = "glm5_next") -> ModelFamily:
+  if architecture not in MODEL_REGISTRY:
+    raise ValueError(f"unknown architecture {architecture!r}; registered: {sorted(MODEL_REGISTRY)}.")
+  module, name = MODEL_REGISTRY[architecture].split(":")
+  return getattr(importlib.import_module(module), name)
+
+
+def plan_for(runner: ModelRunner, cache_config: CacheConfig) -> KVCacheConfig:
+  """The one way a model's KV cache is planned: its layers and the options, nothing else (a model
+  without a draft head refuses ``num_speculative_tokens`` in ``get_kv_cache_layers``)."""
+  return plan_kv_cache(runner.get_kv_cache_layers(cache_config), cache_config)

@@ -1,0 +1,37 @@
+"""StepInputs: what one step tells the model, in fixed (bucketed) shapes (a pytree of arrays)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+
+from jaxtyping import Array, Int
+
+__all__ = ["StepInputs"]
+
+
+@functools.partial(jax.tree_util.register_dataclass)
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+  """One step's per-token inputs, every group's block table and every attention group's kernel table.
+
+  Attributes:
+    input_ids, positions, req_indices: int32 ``[T]`` (padding tokens: ``req_indices == -1``); a
+      request's tokens are contiguous and in position order.
+    block_tables: per KV-cache group, int32 ``[max_num_reqs, width]`` manager block ids.
+    num_blocks: per KV-cache group, int32 ``[max_num_reqs]``.
+    kernel_block_tables: per attention group, its table in kernel blocks
+      (``AttentionGroup.map_to_kernel_block_table``), or None where the group has no split.
+    state_slots: int32 ``[max_num_reqs]``: the linear-attention state slot each request
+      continues from (the last, ``num_speculative_tokens``, unless drafts were rejected).
+  """
+
+  input_ids: Int[Array, "T"]
+  positions: Int[Array, "T"]
+  req_indices: Int[Array, "T"]
+  block_tables: tuple[Int[Array, "R W"], ...]
+  num_blocks: tuple[Int[Array, "R"], ...]
+  kernel_block_tables: tuple[Int[Array, "R Wk"] | None, ...]
+  state_slots: Int[Array, "R"]

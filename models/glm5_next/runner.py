@@ -1,0 +1,120 @@
+"""GLM-5.3-Flash as the engine drives it: ``Glm5NextRunner`` implements ``jaxkv.engine.ModelRunner``.
+
+The runner is static: the Flax graph (``nnx.split``), the config and the kernels' implementation;
+equal runners hash equal, so engines over equal models share compiled steps. ``FAMILY`` is what
+the engine's registry finds under ``"glm5_next"`` (configs, checkpoints, random weights, caches).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxkv.kv_cache_config import CacheConfig, KVCacheConfig
+from jaxkv.step_inputs import StepInputs
+from models.glm5_next.checkpoint import load_checkpoint
+from models.glm5_next.config import Glm5NextConfig, get_config, load_config
+from models.glm5_next.kv_cache import get_kv_cache_layers
+from models.glm5_next.model import Glm5NextForCausalLM
+from models.glm5_next.paged import PagedLayout, paged_hidden_states, paged_mtp_forward
+
+__all__ = ["Glm5NextRunner", "FAMILY"]
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Glm5NextRunner:
+  """The model split into its static graph and its weights.
+
+  Attributes:
+    graphdef: the Flax graph (static).
+    config: the model config.
+    implementation: the kernels, ``"pallas"`` or ``"xla"``.
+    params: the weights; not part of equality or the hash.
+  """
+
+  graphdef: Any
+  config: Glm5NextConfig
+  implementation: str = "xla"
+  params: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+  @classmethod
+  def from_model(cls, model: Glm5NextForCausalLM, *, implementation: str = "xla") -> Glm5NextRunner:
+    graphdef, params = nnx.split(model)
+    return cls(graphdef, model.config, implementation, params)
+
+  @property
+  def vocab_size(self) -> int:
+    return self.config.vocab_size
+
+  @property
+  def max_model_len(self) -> int:
+    return self.config.max_position_embeddings
+
+  def get_kv_cache_layers(self, cache_config: CacheConfig):
+    return get_kv_cache_layers(self.config, cache_config)
+
+  def paged_layout(self, plan: KVCacheConfig) -> PagedLayout:
+    return PagedLayout.from_plan(plan)
+
+  def _model(self, params) -> Glm5NextForCausalLM:
+    return nnx.merge(self.graphdef, params)
+
+  def forward(self, params, caches, inputs: StepInputs, layout: PagedLayout):
+    return paged_hidden_states(self._model(params), caches, inputs, layout, implementation=self.implementation)
+
+  def compute_logits(self, params, hidden):
+    return self._model(params).logits(hidden)
+
+  def propose_drafts(self, params, caches, hidden, next_ids, inputs: StepInputs, last, layout: PagedLayout, *,
+                     num_drafts: int):
+    """The MTP pass over every step token (it fills the MTP layer's caches, prompts included), then
+    a chain of drafts from each row's last accepted token: draft j is the MTP layer's token at
+    position ``p + j + 1``, its hidden state and the draft recycled for the next."""
+    model = self._model(params)
+    impl = self.implementation
+    h, caches, index_rows = paged_mtp_forward(model, caches, hidden, next_ids, inputs, layout, implementation=impl)
+    rows = jnp.where(last >= 0, jnp.arange(last.shape[0], dtype=jnp.int32), -1)
+    last = jnp.maximum(last, 0)
+    h, pos = h[last], inputs.positions[last]
+    shared = index_rows[last] if self.config.index_share_for_mtp_iteration else None
+    drafts = [jnp.argmax(model.logits(h), axis=-1).astype(jnp.int32)]
+    for j in range(1, num_drafts):
+      step = dataclasses.replace(inputs, input_ids=drafts[-1], positions=pos + j, req_indices=rows)
+      h, caches, _ = paged_mtp_forward(model, caches, h, drafts[-1], step, layout, implementation=impl,
+                                       shared_indices=shared)
+      drafts.append(jnp.argmax(model.logits(h), axis=-1).astype(jnp.int32))
+    return jnp.stack(drafts, axis=1), caches
+
+
+class _Family:
+  """``glm5_next`` for the command line: configs, checkpoints, random weights and the cache plan."""
+
+  load_config = staticmethod(load_config)
+  builtin_config = staticmethod(get_config)
+  get_kv_cache_layers = staticmethod(get_kv_cache_layers)
+
+  @staticmethod
+  def from_pretrained(model_path: str, *, dtype: str = "bfloat16", implementation: str = "xla") -> Glm5NextRunner:
+    _, model = load_checkpoint(model_path, dtype=_DTYPES[dtype])
+    return Glm5NextRunner.from_model(model, implementation=implementation)
+
+  @staticmethod
+  def from_random(config: Glm5NextConfig, *, dtype: str = "float32", seed: int = 0,
+                  implementation: str = "xla") -> Glm5NextRunner:
+    model = Glm5NextForCausalLM(config, dtype=_DTYPES[dtype], rngs=nnx.Rngs(seed))
+    return Glm5NextRunner.from_model(model, implementation=implementation)
+
+  @staticmethod
+  def describe(config: Glm5NextConfig, cache_config: CacheConfig) -> str:
+    mtp = " + the MTP layer (MLA + indexer)" if cache_config.num_speculative_tokens else ""
+    return (f"{config.num_hidden_layers} layers ({len(config.dsa_layers)} MLA + indexer, "
+            f"{len(config.kda_layers)} KDA state){mtp}")
+
+
+FAMILY = _Family()

@@ -1,0 +1,109 @@
+"""The shape of the house: imports read top to bottom, the step maps kernel blocks through the
+attention groups, one plan from one options object, equal engines share compiled steps."""
+
+import ast
+import pathlib
+
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxkv.attention_group
+from jaxkv.cli import main
+from jaxkv.engine import SamplingParams
+from jaxkv.kernel_blocks import map_to_kernel_blocks_reference
+from models.glm5_next import Glm5NextForCausalLM
+from models.glm5_next.runner import Glm5NextRunner
+from test_engine_equivalence import CFG, LLMEngine, cfg, prompts, runner
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def imports_of(package: str) -> dict[str, set[str]]:
+  out = {}
+  for path in (ROOT / package).rglob("*.py"):
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Import):
+        names |= {a.name for a in node.names}
+      elif isinstance(node, ast.ImportFrom) and node.module:
+        names.add(node.module)
+    out[str(path.relative_to(ROOT))] = names
+  return out
+
+
+def test_imports_read_top_to_bottom():
+  """engine -> model -> core and kernels; nothing imports back up."""
+  def offenders(package, forbidden):
+    return {f: sorted(n for n in names if any(n == p or n.startswith(p + ".") for p in forbidden))
+            for f, names in imports_of(package).items()
+            if any(n == p or n.startswith(p + ".") for n in names for p in forbidden)}
+
+  assert offenders("jaxkv", ["models"]) == {}  # the engine and the CLI find models through the registry
+  assert offenders("models", ["jaxkv.engine", "jaxkv.cli"]) == {}
+  assert offenders("pallas_kernels", ["models", "jaxkv.engine", "jaxkv.cli"]) == {}
+  core = {f: n for f, n in imports_of("jaxkv").items() if not f.startswith(("jaxkv/engine", "jaxkv/cli"))}
+  assert {f: n for f, n in core.items() if any(x.startswith(("jaxkv.engine", "pallas_kernels")) for x in n)} == {}
+
+
+def test_step_maps_kernel_blocks_through_the_attention_groups(monkeypatch):
+  calls = []
+  real = jaxkv.attention_group.map_to_kernel_blocks
+
+  def counting(*args, **kw):
+    calls.append(args[1:3])
+    return real(*args, **kw)
+
+  monkeypatch.setattr(jaxkv.attention_group, "map_to_kernel_blocks", counting)
+  # A bucket no other test compiles, so the step is traced here.
+  engine = LLMEngine(runner(), cfg(layout="dense", kernel_block_size=64, buckets=(40,), max_num_batched_tokens=40))
+  split = [(i, ag) for i, ag in enumerate(engine.plan.attention_groups) if ag.kernel_block_size]
+  assert split and all(t is None for i, t in enumerate(engine.kernel_tables) if i not in dict(split))
+  for i, p in enumerate(prompts()):
+    engine.add_request(str(i), p, SamplingParams(max_new_tokens=8))
+  engine.step()
+  assert sorted(calls) == sorted((ag.blocks_per_kernel_block, ag.stride) for _, ag in split)  # once per group
+  for _ in range(3):
+    before = engine.kernel_tables
+    engine.step()
+    for i, ag in split:
+      assert before[i].is_deleted()  # the persistent buffer was donated and rewritten
+      want = map_to_kernel_blocks_reference(engine.tables[ag.kv_cache_group_id].block_table,
+                                            ag.blocks_per_kernel_block, ag.stride)
+      np.testing.assert_array_equal(np.asarray(engine.kernel_tables[i]), want)
+  assert len(calls) == len(split)  # steady steps reuse the compiled step: no new trace
+
+
+def test_inspect_and_the_engine_print_the_same_plan(capsys):
+  opts = ["--config", "glm-5.3-flash-tiny", "--block-size", "256", "--memory-gib", "0.0625", "--max-model-len", "64",
+          "--num-spec", "2", "--dtype", "float32", "--kv-cache-dtype", "float32", "--indexer-cache-dtype", "float32"]
+  assert main(["inspect", *opts]) == 0
+  inspected = capsys.readouterr().out
+  assert "+ the MTP layer" in inspected and "request needs" in inspected
+  assert main(["generate", *opts, "--max-new-tokens", "1", "--print-plan"]) == 0
+  assert inspected in capsys.readouterr().err
+  assert main(["inspect", *opts, "--memory-gib", "0.0001"]) == 2
+  err = capsys.readouterr().err
+  assert "Raise --memory-gib to at least" in err and "--max-model-len" in err and "memory_bytes" not in err
+
+
+def test_equal_engines_share_compiled_steps():
+  other = Glm5NextRunner.from_model(Glm5NextForCausalLM(CFG, rngs=nnx.Rngs(1)))  # other weights, same graph
+  assert other == runner() and hash(other) == hash(runner())
+  a, b = LLMEngine(runner(), cfg()), LLMEngine(other, cfg())
+  assert a._statics is b._statics
+  a.generate([prompts()[0]], SamplingParams(max_new_tokens=2))
+  compiled = a.num_compilations
+  out = b.generate([prompts()[0]], SamplingParams(max_new_tokens=2))
+  assert b.num_compilations == compiled and len(out[0].output_token_ids) == 2
+
+
+@pytest.mark.parametrize("bad, match", [({"layout": "sparse"}, "layout must be one of"),
+                                        ({"kv_cache_dtype": "int4"}, "kv_cache_dtype must be one of"),
+                                        ({"block_size": 0}, "block_size must be a positive integer"),
+                                        ({"num_speculative_tokens": -1}, "num_speculative_tokens must be >= 0")])
+def test_cache_config_names_the_parameter(bad, match):
+  from jaxkv import CacheConfig
+
+  with pytest.raises(ValueError, match=match):
+    CacheConfig(**bad)
