@@ -88,6 +88,7 @@ def measure_bandwidth(iters, repeats):
 
 def bench_mqa_logits(batch, ctx, impl, iters, repeats, **tune):
   import jax
+  from jaxkv import KernelView, cdiv
   import jax.numpy as jnp
   from pallas_kernels._common import quantize_fp8_pow2, value_bytes
   from pallas_kernels.paged_mqa_logits import paged_mqa_logits
@@ -103,11 +104,12 @@ def bench_mqa_logits(batch, ctx, impl, iters, repeats, **tune):
   q = jax.random.normal(jax.random.key(2), (batch, 1, H_IDX, D_IDX), jnp.float32)
   w = jax.random.normal(jax.random.key(3), (batch, H_IDX), jnp.float32)
   ctx_lens = jnp.full((batch, 1), entries, jnp.int32)
+  view = KernelView.for_rows(pages.shape[1], entries_per_page=P)
 
   # The chain enters through q, the operand of the expensive part, so XLA cannot hoist or CSE it.
   def step(q_, c):
-    out = paged_mqa_logits(q_.astype(jnp.float8_e4m3fn), c[0], c[1], c[2], c[3], states_per_page=P,
-                           cache_dtype="fp8", implementation=impl, **tune)
+    out = paged_mqa_logits(q_.astype(jnp.float8_e4m3fn), c[0], c[1], c[2], c[3], view=view, cache_dtype="fp8",
+                           implementation=impl, **tune)
     return q_ + _dep(out)
 
   t = _timeit(step, q, (pages, w, ctx_lens, table), iters, repeats)
@@ -117,6 +119,7 @@ def bench_mqa_logits(batch, ctx, impl, iters, repeats, **tune):
 
 def bench_sparse_mla(batch, ctx, impl, iters, repeats, **tune):
   import jax
+  from jaxkv import KernelView, cdiv
   import jax.numpy as jnp
   from pallas_kernels.sparse_mla_decode import sparse_mla_decode
 
@@ -133,8 +136,8 @@ def bench_sparse_mla(batch, ctx, impl, iters, repeats, **tune):
   reqs = jnp.arange(batch, dtype=jnp.int32)
 
   def step(q_, c):
-    out = sparse_mla_decode(q_, *c, block_size=bs, cache_dtype="bfloat16", sm_scale=L_MLA ** -0.5,
-                            implementation=impl, **tune)
+    out = sparse_mla_decode(q_, *c, view=KernelView.for_rows(bs * L_MLA * 2, tokens_per_row=bs),
+                            cache_dtype="bfloat16", sm_scale=L_MLA ** -0.5, implementation=impl, **tune)
     return q_ + _dep(out).astype(q_.dtype)
 
   t = _timeit(step, q, (cache, idx, reqs, table), iters, repeats)
@@ -144,6 +147,7 @@ def bench_sparse_mla(batch, ctx, impl, iters, repeats, **tune):
 
 def bench_cache_write(tokens, impl, iters, repeats, **tune):
   import jax
+  from jaxkv import KernelView, cdiv
   import jax.numpy as jnp
   from pallas_kernels.cache_write import write_to_paged_cache
 
@@ -155,7 +159,8 @@ def bench_cache_write(tokens, impl, iters, repeats, **tune):
   entries = jax.random.bits(jax.random.key(7), (tokens, e), jnp.uint8)
 
   def step(c, k):
-    return write_to_paged_cache(c, k[0], k[1], tokens_per_row=bs, page_offset_bytes=offset, implementation=impl)
+    return write_to_paged_cache(c, k[0], k[1], view=KernelView.for_rows(row_bytes, tokens_per_row=bs, offset_bytes=offset),
+                                implementation=impl)
 
   t = _timeit(step, cache, (entries, slots), iters, repeats)
   return t, 2 * tokens * e
@@ -164,6 +169,7 @@ def bench_cache_write(tokens, impl, iters, repeats, **tune):
 def bench_kpool(tokens, impl, iters, repeats, **tune):
   """``impl="scatter"``: a bare XLA scatter of the same pooled-entry and ring bytes (the goal's baseline)."""
   import jax
+  from jaxkv import KernelView, cdiv
   import jax.numpy as jnp
   from pallas_kernels.cache_write import write_to_paged_cache
   from pallas_kernels.kpool import kpool_compress_and_write
@@ -183,7 +189,7 @@ def bench_kpool(tokens, impl, iters, repeats, **tune):
   blk = rng.permutation(np.arange(1, blocks))[:reqs_n]
   tail_slots = (blk[req] * ring + pos % ring).astype(np.int32)
   pool = pos // KPOOL
-  page = rng.permutation(np.arange(1, blocks * pages_per_block))[: reqs_n * (-(-per // (KPOOL * P)))]
+  page = rng.permutation(np.arange(1, blocks * pages_per_block))[: reqs_n * cdiv(per, KPOOL * P)]
   page = page.reshape(reqs_n, -1)
   cslots = np.where((pos + 1) % KPOOL == 0, page[req, pool // P] * P + pool % P, -1).astype(np.int32)
   args = [jnp.asarray(a) for a in (pos, req, tail_slots, cslots)]
@@ -197,15 +203,18 @@ def bench_kpool(tokens, impl, iters, repeats, **tune):
 
     def scatter(state, k):
       c, tl = state
-      c = write_to_paged_cache(c, k[0], k[1], tokens_per_row=P, implementation="xla")
-      return c, write_to_paged_cache(tl, k[2], k[3], tokens_per_row=ring, implementation="xla")
+      c = write_to_paged_cache(c, k[0], k[1], view=KernelView.for_rows(page_bytes, tokens_per_row=P),
+                               implementation="xla")
+      return c, write_to_paged_cache(tl, k[2], k[3], view=KernelView.for_rows(tail.shape[1], tokens_per_row=ring),
+                                     implementation="xla")
 
     return _timeit(scatter, (cache, tail), (entries, pool_slots, ring_entries, ring_slots), iters, repeats), nbytes
 
   def step(state, k):
     c, tl = state
-    return kpool_compress_and_write(c, tl, *k, kpool=KPOOL, ring=ring, base_row=0, states_per_page=P,
-                                    cache_dtype="fp8", implementation=impl)
+    return kpool_compress_and_write(c, tl, *k, view=KernelView.for_rows(page_bytes, entries_per_page=P),
+                                    tail_view=KernelView.for_rows(tail.shape[1], tokens_per_row=ring),
+                                    kpool=KPOOL, cache_dtype="fp8", implementation=impl)
 
   return _timeit(step, (cache, tail), (keys, gates, ape, *args), iters, repeats), nbytes
 

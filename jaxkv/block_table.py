@@ -50,17 +50,21 @@ class BlockTable:
     if not 0 <= row < self.max_num_reqs:
       raise RuntimeError(f"Block table row {row} of group {self.group_id} is outside [0, {self.max_num_reqs}).")
 
-  def append_row(self, block_ids: Sequence[int], row: int) -> None:
-    """Appends manager block ids after the row's current ones."""
+  def _check_append(self, row: int, num_new: int) -> int:
+    """The row's end after appending ``num_new`` ids; raises before anything is written."""
     self._check_row(row)
-    start = int(self.num_blocks_per_row[row])
-    end = start + len(block_ids)
+    end = int(self.num_blocks_per_row[row]) + num_new
     if end > self.width:
       raise RuntimeError(
           f"Block table write for request {row}, group {self.group_id} exceeds row capacity "
           f"({end} > {self.width}). Raise max_model_len or free blocks first."
       )
-    self.block_table[row, start:end] = block_ids
+    return end
+
+  def append_row(self, block_ids: Sequence[int], row: int) -> None:
+    """Appends manager block ids after the row's current ones."""
+    end = self._check_append(row, len(block_ids))
+    self.block_table[row, end - len(block_ids):end] = block_ids
     self.num_blocks_per_row[row] = end
 
   def add_row(self, block_ids: Sequence[int], row: int) -> None:
@@ -112,13 +116,7 @@ class MultiGroupBlockTable:
   def append_row(self, block_ids: Sequence[Sequence[int]], row: int) -> None:
     """``block_ids[g]`` are appended to group ``g``'s row. All groups are checked before any write."""
     for bt, ids in zip(self.block_tables, block_ids, strict=True):
-      bt._check_row(row)
-      end = int(bt.num_blocks_per_row[row]) + len(ids)
-      if end > bt.width:
-        raise RuntimeError(
-            f"Block table write for request {row}, group {bt.group_id} exceeds row capacity "
-            f"({end} > {bt.width}). Raise max_model_len or free blocks first."
-        )
+      bt._check_append(row, len(ids))
     for bt, ids in zip(self.block_tables, block_ids):
       bt.append_row(ids, row)
 

@@ -140,11 +140,11 @@ def test_steady_speculative_decoding_does_not_compile():
   warm = engine.num_compilations
   while engine.has_unfinished():
     engine.step()
-  assert engine.num_compilations == warm == 1
+  assert engine.num_compilations == warm
 
 
 def test_state_groups_own_one_slot_per_draft():
-  layers = get_kv_cache_layers(CFG, block_size=256, num_speculative_tokens=3)
+  layers = get_kv_cache_layers(CFG, CacheConfig(block_size=256, num_speculative_tokens=3))
   assert sum(l.name.startswith(f"layers.{CFG.num_hidden_layers}.") for l in layers) == 3  # MTP latent/indexer/tail
   kda = next(l.spec for l in layers if l.name.endswith(".kda"))
   assert kda.max_num_blocks_per_req(1000) == 4

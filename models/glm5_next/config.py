@@ -12,7 +12,7 @@ import json
 import pathlib
 from typing import Any
 
-__all__ = ["Glm5NextConfig", "BUILTIN_CONFIGS", "get_config", "load_config"]
+__all__ = ["Glm5NextConfig", "BUILTIN_CONFIGS", "HF_DEFAULTS", "get_config", "load_config"]
 
 _MODEL_TYPES = ("glm5_next", "glm5_next_text")
 _ATTN_ALIASES = {"deepseek_sparse_attention": "indexed_attention", "full_attention": "indexed_attention"}
@@ -54,10 +54,10 @@ class Glm5NextConfig:
   num_nextn_predict_layers: int
   max_position_embeddings: int
   # MTP draft steps >= 1 reuse step 0's index row (vLLM's proposer; a drafting approximation).
-  index_share_for_mtp_iteration: bool = True
+  index_share_for_mtp_iteration: bool
   pad_token_id: int
-  eos_token_id: tuple[int, ...] = ()
-  tie_word_embeddings: bool = False
+  eos_token_id: tuple[int, ...]
+  tie_word_embeddings: bool
 
   def __post_init__(self):
     n = self.num_hidden_layers
@@ -80,79 +80,65 @@ class Glm5NextConfig:
 
   @classmethod
   def from_hf_dict(cls, cfg: dict[str, Any]) -> Glm5NextConfig:
-    """From an HF ``config.json`` dict, flat or with ``text_config``."""
+    """From an HF ``config.json`` dict, flat or with ``text_config``; absent keys take HF's class
+    defaults (``HF_DEFAULTS``, the one table of them)."""
     if "text_config" in cfg:
       cfg = cfg["text_config"]
     model_type = cfg.get("model_type")
     if model_type not in _MODEL_TYPES:
       raise ValueError(f"model_type {model_type!r} is not a glm5_next config (expected one of {_MODEL_TYPES}).")
     n = cfg["num_hidden_layers"]
-    lin = cfg.get("linear_attn_config") or {}
-    layer_types = cfg.get("layer_types") or [
-        "linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(n)
-    ]
-    layer_types = tuple(_ATTN_ALIASES.get(t, t) for t in layer_types)
+    get = lambda key: cfg[key] if cfg.get(key) is not None else HF_DEFAULTS[key]  # noqa: E731
+    lin = {**HF_DEFAULTS["linear_attn_config"], **(cfg.get("linear_attn_config") or {})}
+    layer_types = cfg.get("layer_types") or ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(n)]
     eos = cfg.get("eos_token_id")
     eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-    heads = cfg.get("num_attention_heads", 64)
+    ints = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "n_routed_experts",
+            "num_experts_per_tok", "n_shared_experts", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
+            "qk_nope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim", "index_topk", "index_kpool", "hc_mult",
+            "hc_sinkhorn_iters", "num_nextn_predict_layers", "max_position_embeddings", "pad_token_id")
+    floats = ("routed_scaling_factor", "swiglu_limit", "hc_eps", "rms_norm_eps")
+    bools = ("norm_topk_prob", "index_share_for_mtp_iteration", "tie_word_embeddings")
     return cls(
-        vocab_size=cfg.get("vocab_size", 154880),
-        hidden_size=cfg.get("hidden_size", 4096),
         num_hidden_layers=n,
-        layer_types=layer_types,
+        layer_types=tuple(_ATTN_ALIASES.get(t, t) for t in layer_types),
         mlp_layer_types=tuple(cfg.get("mlp_layer_types") or ["dense"] * 3 + ["sparse"] * (n - 3)),
         indexer_types=tuple(cfg.get("indexer_types") or ["full"] * n),
-        intermediate_size=cfg.get("intermediate_size", 12288),
-        moe_intermediate_size=cfg.get("moe_intermediate_size", 2048),
-        n_routed_experts=cfg.get("n_routed_experts", 288),
-        num_experts_per_tok=cfg.get("num_experts_per_tok", 8),
-        n_shared_experts=cfg.get("n_shared_experts", 1),
-        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 2.5)),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-        swiglu_limit=float(cfg.get("swiglu_limit", 10.0)),
-        num_attention_heads=heads,
-        q_lora_rank=cfg.get("q_lora_rank", 1536),
-        kv_lora_rank=cfg.get("kv_lora_rank", 512),
-        qk_nope_head_dim=cfg.get("qk_nope_head_dim", 256),
-        v_head_dim=cfg.get("v_head_dim", 256),
-        index_n_heads=cfg.get("index_n_heads", 32),
-        index_head_dim=cfg.get("index_head_dim", 128),
-        index_topk=cfg.get("index_topk", 2048),
-        # HF's class default is 16; the released model uses 4.
-        index_kpool=cfg.get("index_kpool", 16),
-        linear_num_heads=lin.get("num_heads", cfg.get("linear_num_heads", 64)),
-        linear_head_dim=lin.get("head_dim", cfg.get("linear_head_dim", 128)),
-        linear_conv_kernel_dim=lin.get("short_conv_kernel_size", cfg.get("linear_conv_kernel_dim", 4)),
-        linear_gate_lower_bound=float(lin.get("gate_lower_bound", cfg.get("linear_lower_bound", -5.0))),
-        hc_mult=cfg.get("hc_mult", 4),
-        hc_eps=float(cfg.get("hc_eps", 1e-6)),
-        hc_sinkhorn_iters=cfg.get("hc_sinkhorn_iters", 20),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-        num_nextn_predict_layers=cfg.get("num_nextn_predict_layers", 0),
-        index_share_for_mtp_iteration=bool(cfg.get("index_share_for_mtp_iteration", True)),
-        max_position_embeddings=cfg.get("max_position_embeddings", 1048576),
-        pad_token_id=cfg.get("pad_token_id", 154820),
+        linear_num_heads=lin["num_heads"],
+        linear_head_dim=lin["head_dim"],
+        linear_conv_kernel_dim=lin["short_conv_kernel_size"],
+        linear_gate_lower_bound=float(lin["gate_lower_bound"]),
         eos_token_id=eos,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        **{k: get(k) for k in ints},
+        **{k: float(get(k)) for k in floats},
+        **{k: bool(get(k)) for k in bools},
     )
 
 
+# HF ``Glm5NextConfig``'s class defaults: what an absent key means in a config.json.
+HF_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 154880, "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 2048,
+    "n_routed_experts": 288, "num_experts_per_tok": 8, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True, "swiglu_limit": 10.0, "num_attention_heads": 64, "q_lora_rank": 1536,
+    "kv_lora_rank": 512, "qk_nope_head_dim": 256, "v_head_dim": 256, "index_n_heads": 32, "index_head_dim": 128,
+    "index_topk": 2048,
+    "index_kpool": 16,  # HF's class default; the released model sets 4
+    "linear_attn_config": {"num_heads": 64, "head_dim": 128, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0},
+    "hc_mult": 4, "hc_eps": 1e-6, "hc_sinkhorn_iters": 20, "rms_norm_eps": 1e-5, "num_nextn_predict_layers": 0,
+    "index_share_for_mtp_iteration": True, "max_position_embeddings": 1048576, "pad_token_id": 154820,
+    "tie_word_embeddings": False,
+}
+
+
 def _released() -> dict:
+  """The released text tower: HF's defaults, with its kpool, MTP layer and eos ids."""
   n = 45
   return {
-      "model_type": "glm5_next_text", "vocab_size": 154880, "hidden_size": 4096, "num_hidden_layers": n,
+      **HF_DEFAULTS, "model_type": "glm5_next_text", "num_hidden_layers": n,
       "layer_types": ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(n)],
       "mlp_layer_types": ["dense"] * 3 + ["sparse"] * (n - 3), "indexer_types": ["full"] * n,
-      "intermediate_size": 12288, "moe_intermediate_size": 2048, "n_routed_experts": 288,
-      "num_experts_per_tok": 8, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
-      "norm_topk_prob": True, "swiglu_limit": 10.0, "num_attention_heads": 64, "num_key_value_heads": 64,
-      "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 256, "qk_rope_head_dim": 0,
-      "v_head_dim": 256, "index_n_heads": 32, "n_group": 1, "topk_group": 1, "hidden_act": "silu",
-      "index_head_dim": 128, "index_topk": 2048, "index_kpool": 4,
-      "linear_attn_config": {"num_heads": 64, "head_dim": 128, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0},
-      "hc_mult": 4, "hc_eps": 1e-6, "hc_sinkhorn_iters": 20, "rms_norm_eps": 1e-5,
-      "num_nextn_predict_layers": 1, "max_position_embeddings": 1048576, "pad_token_id": 154820,
-      "eos_token_id": [154820, 154827, 154829], "tie_word_embeddings": False,
+      "num_key_value_heads": 64, "qk_rope_head_dim": 0, "n_group": 1, "topk_group": 1, "hidden_act": "silu",
+      "index_kpool": 4, "num_nextn_predict_layers": 1, "eos_token_id": [154820, 154827, 154829],
   }
 
 
