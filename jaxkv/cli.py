@@ -157,51 +157,35 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-  import time
-
   import numpy as np
 
-  from jaxkv.engine import SamplingParams
+  from jaxkv.engine.benchmark import benchmark_decode
 
   family, config = _model_config(args, "glm-5.3-flash-tiny")
   rng = np.random.default_rng(args.seed)
   prompts = [list(rng.integers(1, config.vocab_size, args.context)) for _ in range(args.batch)]
   # Requests prefilled early decode while later ones prefill: leave them room for that, so every
-  # request is still decoding during all `steps` timed steps.
+  # request is still decoding during all timed (and profiled) steps.
+  profile_steps = 8 if args.profile else 0
   prefill_steps = cdiv(args.batch * args.context, args.max_num_batched_tokens) + 1
-  new_tokens = (prefill_steps + args.steps) * (1 + args.num_spec) + 1
+  new_tokens = (prefill_steps + args.steps + profile_steps) * (1 + args.num_spec) + 1
   engine = _engine(args, family, config, args.context + new_tokens)
-  t0 = time.perf_counter()
-  compiled_warm = engine.warmup()  # every token bucket, as vLLM captures its graphs
-  warmup_s = time.perf_counter() - t0
-  reqs = [engine.add_request(f"bench-{i}", p, SamplingParams(max_new_tokens=new_tokens))
-          for i, p in enumerate(prompts)]
-  t0 = time.perf_counter()
-  while not all(r.output_token_ids for r in reqs):
-    engine.step()
-  prefill_s = time.perf_counter() - t0
-  lat, tokens = [], 0
-  drafted, accepted = engine.num_draft_tokens, engine.num_accepted_tokens
-  for _ in range(args.steps):
-    t = time.perf_counter()
-    outs = engine.step()
-    lat.append(time.perf_counter() - t)
-    tokens += sum(len(o.new_token_ids) for o in outs)
-  finished_early = sum(r.finish_reason is not None for r in reqs)
-  for r in reqs:
-    engine.abort(r.request_id)
-  lat_ms = np.asarray(lat) * 1e3
-  drafted, accepted = engine.num_draft_tokens - drafted, engine.num_accepted_tokens - accepted
   result = {"config": args.config or ("checkpoint" if args.model_path else "glm-5.3-flash-tiny"),
-            "batch": args.batch, "context": args.context, "decode_steps": len(lat), "decode_tokens": tokens,
-            "finished_before_the_end": finished_early,
-            "prefill_s": prefill_s, "decode_tokens_per_s": tokens / max(sum(lat), 1e-9),
-            "num_spec": args.num_spec, "acceptance_rate": accepted / drafted if drafted else None,
-            "step_ms_p50": float(np.percentile(lat_ms, 50)), "step_ms_p90": float(np.percentile(lat_ms, 90)),
-            "step_ms_p99": float(np.percentile(lat_ms, 99)), "warmup_s": warmup_s,
-            "compilations_after_warmup": compiled_warm, "compilations_at_end": engine.num_compilations,
-            "implementation": args.implementation, "layout": args.layout, "block_size": args.block_size}
-  print(json.dumps(result) if args.json else "\n".join(f"{k:28s} {v}" for k, v in result.items()))
+            **benchmark_decode(engine, prompts, steps=args.steps, new_tokens=new_tokens, profile_dir=args.profile,
+                               profile_steps=profile_steps),
+            "implementation": args.implementation, "layout": args.layout, "block_size": args.block_size,
+            "dtype": args.dtype}
+  if args.json:
+    print(json.dumps(result))
+    return 0
+  profile = result.pop("profile", None)
+  print("\n".join(f"{k:28s} {v}" for k, v in result.items()))
+  if profile:
+    print(f"\nprofile ({profile['device']}, {profile['steps']} steps): {profile['busy_ms_per_step']:.3f} ms busy of "
+          f"{profile['span_ms_per_step']:.3f} ms per step ({profile['idle_fraction']:.0%} idle), "
+          f"{profile['kernels_per_step']:.0f} kernels per step; heaviest:")
+    for k in profile["top"]:
+      print(f"  {k['ms_per_step']:9.3f} ms {k['share']:6.1%} x{k['calls_per_step']:<5.0f} {k['name']}")
   return 0
 
 
@@ -277,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
   b.add_argument("--context", type=int, default=64, help="prompt tokens per request")
   b.add_argument("--steps", type=int, default=32, help="decode steps to time, every request decoding")
   b.add_argument("--json", action="store_true")
+  b.add_argument("--profile", metavar="DIR", default=None,
+                 help="after the timed steps, trace 8 more with jax.profiler into DIR and print the heaviest kernels")
   b.set_defaults(func=cmd_bench)
   return parser
 

@@ -114,8 +114,8 @@ def test_grouped_moe_equals_every_expert_weighted(model):
   x = jnp.asarray(np.random.default_rng(6).standard_normal((2, 9, CFG.hidden_size)), jnp.float32)
   w = moe.routing(x)
   hp = jax.lax.Precision.HIGHEST
-  g = jnp.einsum("btd,eid->btei", x, moe.experts_gate[...], precision=hp)
-  u = jnp.einsum("btd,eid->btei", x, moe.experts_up[...], precision=hp)
+  g = jnp.einsum("btd,edi->btei", x, moe.experts_gate[...], precision=hp)
+  u = jnp.einsum("btd,edi->btei", x, moe.experts_up[...], precision=hp)
   h = jax.nn.silu(jnp.minimum(g, moe.limit)) * jnp.clip(u, -moe.limit, moe.limit) * w[..., None]
-  want = jnp.einsum("btei,edi->btd", h, moe.experts_down[...], precision=hp) + moe.shared_experts(x)
+  want = jnp.einsum("btei,eid->btd", h, moe.experts_down[...], precision=hp) + moe.shared_experts(x)
   np.testing.assert_allclose(moe(x), want, atol=1e-5, rtol=1e-5)

@@ -7,7 +7,7 @@ Name mapping (checkpoint -> model), after stripping ``model.language_model.`` (m
 |---|---|
 | ``layers.L.hc_{attn,ffn}_{fn,base,scale}`` | ``layers[L].{attn,ffn}_hc.{fn,base,scale}`` |
 | ``layers.L.mlp.gate.weight`` / ``.e_score_correction_bias`` | ``layers[L].mlp.gate_weight`` / ``.e_score_correction_bias`` |
-| ``layers.L.mlp.experts.E.{gate,up,down}_proj.weight`` | ``layers[L].mlp.experts_{gate,up,down}[E]`` (stacked) |
+| ``layers.L.mlp.experts.E.{gate,up,down}_proj.weight`` | ``layers[L].mlp.experts_{gate,up,down}[E]`` (stacked, transposed to ``[in, out]``) |
 | ``layers.L.self_attn.{q,k,v}_conv1d.weight`` | ``layers[L].self_attn.{q,k,v}_conv1d`` |
 | ``layers.N.*`` (N = num_hidden_layers: the MTP layer) | ``mtp.*`` (``shared_head.norm`` -> ``shared_head_norm``) |
 | ``lm_head.weight``, ``embed_tokens.weight`` | ``lm_head``, ``embed_tokens`` |
@@ -121,7 +121,7 @@ def load_checkpoint(model_path: str | pathlib.Path, *, dtype=None) -> tuple[Glm5
         missing += absent
         leaves.append((path, var))
         continue
-      value = jnp.stack([tensors[n] for n in names])
+      value = jnp.stack([tensors[n].T for n in names])  # [out, in] -> the grouped matmul's [in, out]
       used.update(names)
     elif template not in tensors:
       missing.append(template)
@@ -161,7 +161,7 @@ def save_checkpoint(model: Glm5NextForCausalLM, model_path: str | pathlib.Path, 
   for path, var in nnx.to_flat_state(nnx.state(model)):
     template = checkpoint_name(path, num_layers)
     value = np.asarray(jax.device_get(var.get_value()))
-    names = {template.format(e=e): value[e] for e in range(value.shape[0])} if "{e}" in template else {template: value}
+    names = {template.format(e=e): value[e].T for e in range(value.shape[0])} if "{e}" in template else {template: value}
     for n, v in names.items():
       out[n if n == "lm_head.weight" else "model.language_model." + n] = np.ascontiguousarray(v)
   save_file(out, str(root / "model.safetensors"))

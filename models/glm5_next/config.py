@@ -1,8 +1,9 @@
 """GLM-5.3-Flash (``glm5_next``) text configuration, parsed from HF ``config.json`` (JSON only).
 
 Built-in configs: ``glm-5.3-flash`` (the released text tower), ``glm-5.3-flash-tiny`` (every
-mechanism at CPU-test size, ``docs/glm-5.3-flash-architecture.md`` section 8) and
-``glm-5.3-flash-mini`` (released indexer and latent shapes in 8 narrower layers, for GPU benchmarks).
+mechanism at CPU-test size, ``docs/glm-5.3-flash-architecture.md`` section 8),
+``glm-5.3-flash-mini`` (released indexer and latent shapes in 8 narrower layers) and
+``glm-5.3-flash-slice4`` (the released dimensions in 4 layers: the HF peer benchmark's model).
 """
 
 from __future__ import annotations
@@ -179,7 +180,20 @@ def _mini() -> dict:
   return cfg
 
 
-BUILTIN_CONFIGS = {"glm-5.3-flash": _released, "glm-5.3-flash-tiny": _tiny, "glm-5.3-flash-mini": _mini}
+def _slice4() -> dict:
+  """The HF peer benchmark's model (``shared/tools/hf_peer_bench.py``): HF's defaults at the released
+  dimensions, 4 layers (KDA, KDA, KDA, DSA; MLPs dense, MoE, dense, MoE; 16.7 B parameters), kpool 4,
+  no MTP layer. The same work for ``jaxkv bench`` and the peer."""
+  return {
+      **HF_DEFAULTS, "model_type": "glm5_next_text", "num_hidden_layers": 4,
+      "layer_types": ["linear_attention"] * 3 + ["indexed_attention"],
+      "mlp_layer_types": ["dense", "sparse", "dense", "sparse"], "indexer_types": ["full"] * 4,
+      "index_kpool": 4, "pad_token_id": 0,
+  }
+
+
+BUILTIN_CONFIGS = {"glm-5.3-flash": _released, "glm-5.3-flash-tiny": _tiny, "glm-5.3-flash-mini": _mini,
+                   "glm-5.3-flash-slice4": _slice4}
 
 
 def get_config(name: str) -> Glm5NextConfig:

@@ -3,7 +3,8 @@
 This is the definition the paged path is checked against; it follows HF transformers 5.24's
 no-cache forward (``docs/glm-5.3-flash-architecture.md``). Parameter names mirror the checkpoint
 (``model.language_model.layers.L.self_attn.q_proj.weight`` is ``layers[L].self_attn.q_proj.weight``),
-matrices are stored ``[out, in]`` as in PyTorch, and routed experts are stacked ``[E, ...]``.
+matrices are stored ``[out, in]`` as in PyTorch, except the routed experts, stacked ``[E, in, out]``
+for the grouped matmul (transposed once at load).
 
 Einsum letters: B batch, T query tokens, S key tokens, D hidden, H heads, K head dim, L latent,
 N mHC streams, E experts, I expert width, P pools, C pool slots.
@@ -20,6 +21,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from models.glm5_next.config import Glm5NextConfig
+from pallas_kernels.grouped_matmul import grouped_matmul
 from pallas_kernels.kpool import combine_pool
 from pallas_kernels.topk_selection import select_topk_tokens
 
@@ -146,9 +148,11 @@ class MoE(nnx.Module):
     d, e, i = config.hidden_size, config.n_routed_experts, config.moe_intermediate_size
     self.gate_weight = _param(rngs, (e, d), jnp.float32)
     self.e_score_correction_bias = _param(rngs, (e,), jnp.float32)
-    self.experts_gate = _param(rngs, (e, i, d), dtype)
-    self.experts_up = _param(rngs, (e, i, d), dtype)
-    self.experts_down = _param(rngs, (e, d, i), dtype)
+    # Routed experts in the grouped matmul's layout ([E, in, out]); the checkpoint's [out, in]
+    # matrices are transposed once at load.
+    self.experts_gate = _param(rngs, (e, d, i), dtype)
+    self.experts_up = _param(rngs, (e, d, i), dtype)
+    self.experts_down = _param(rngs, (e, i, d), dtype)
     self.shared_experts = MLP(config, i * config.n_shared_experts, dtype=dtype, rngs=rngs)
     self.top_k, self.scale, self.norm = config.num_experts_per_tok, config.routed_scaling_factor, config.norm_topk_prob
     self.limit = config.swiglu_limit
@@ -179,11 +183,10 @@ class MoE(nnx.Module):
     token = order // self.top_k
     sizes = jnp.bincount(expert, length=self.gate_weight.shape[0]).astype(jnp.int32)
     xs = flat[token]
-    gate = jax.lax.ragged_dot(xs, jnp.swapaxes(self.experts_gate[...], 1, 2).astype(x.dtype), sizes,
-                              precision=_HP)
-    up = jax.lax.ragged_dot(xs, jnp.swapaxes(self.experts_up[...], 1, 2).astype(x.dtype), sizes, precision=_HP)
+    gate = grouped_matmul(xs, self.experts_gate[...], sizes, precision=_HP)
+    up = grouped_matmul(xs, self.experts_up[...], sizes, precision=_HP)
     h = _swiglu_clamped(gate, up, self.limit)
-    out = jax.lax.ragged_dot(h, jnp.swapaxes(self.experts_down[...], 1, 2).astype(x.dtype), sizes, precision=_HP)
+    out = grouped_matmul(h, self.experts_down[...], sizes, precision=_HP)
     out = out * w.reshape(-1)[order][:, None].astype(x.dtype)
     routed = jnp.zeros_like(flat).at[token].add(out)
     return routed.reshape(*lead, d) + self.shared_experts(x)

@@ -1,0 +1,90 @@
+"""Grouped (ragged) matmul of the MoE: rows sorted by expert, each times its expert's weights.
+
+``out[m] = lhs[m] @ rhs[g(m)]`` where rows are consecutive per group and ``group_sizes[g]`` counts
+group ``g``'s rows (rows past ``sum(group_sizes)`` are zero). Weights are in the matmul's layout,
+``[groups, K, N]`` (converted once at checkpoint load; HF's ``[out, in]`` lives only at the
+checkpoint boundary), so no step transposes them.
+
+Implementations (chosen by measurement, ``docs/performance.md``):
+
+* ``"tokamax"``: ``tokamax.ragged_dot``'s Pallas Mosaic GPU kernel for Hopper. It reads each routed
+  expert's weights once (tiles of experts without rows do nothing) and materializes nothing
+  beyond its output, at every token count.
+* ``"xla"``: ``jax.lax.ragged_dot``. The CPU path and the tests' reference. On a GPU, XLA lowers it
+  to a dense dot with the group axis folded into the contraction: it reads every expert's weights
+  and at 16k rows of the released model tried to allocate 36 GiB (platform.md), so it is not a
+  serving path there.
+* ``"auto"``: ``"tokamax"`` for bf16 / fp16 rows on a GPU where tokamax is installed
+  (``pip install '.[cuda13]'``), else ``"xla"`` (float32 runs stay exact).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+__all__ = ["grouped_matmul", "grouped_matmul_reference", "GROUPED_MATMUL_IMPLEMENTATIONS"]
+
+GROUPED_MATMUL_IMPLEMENTATIONS = ("auto", "tokamax", "xla")
+
+
+@functools.cache
+def _tokamax_available() -> bool:
+  return importlib.util.find_spec("tokamax") is not None
+
+
+def resolve_implementation(implementation: str, dtype=jnp.bfloat16) -> str:
+  if implementation not in GROUPED_MATMUL_IMPLEMENTATIONS:
+    raise ValueError(f"grouped matmul implementation must be one of {GROUPED_MATMUL_IMPLEMENTATIONS}, "
+                     f"got {implementation!r}.")
+  if implementation == "auto":
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return "tokamax" if half and jax.default_backend() == "gpu" and _tokamax_available() else "xla"
+  if implementation == "tokamax" and not _tokamax_available():
+    raise ValueError("implementation='tokamax' needs the tokamax package (pip install tokamax, or the "
+                     "'.[cuda13]' extra); use 'xla'.")
+  return implementation
+
+
+def grouped_matmul(
+    lhs: Float[Array, "M K"],
+    rhs: Float[Array, "G K N"],
+    group_sizes: Int[Array, "G"],
+    *,
+    precision=None,
+    implementation: str = "auto",
+) -> Float[Array, "M N"]:
+  """``lhs`` rows grouped by ``group_sizes`` times their group's ``rhs`` matrix, in ``lhs.dtype``.
+
+  Args:
+    lhs: ``[M, K]`` rows sorted by group.
+    rhs: ``[G, K, N]`` one matrix per group.
+    group_sizes: int32 ``[G]`` rows per group (``sum <= M``).
+    precision: the dot precision (the XLA path; the CPU reference runs HIGHEST).
+    implementation: ``"auto"``, ``"tokamax"`` or ``"xla"``.
+  """
+  if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
+    raise ValueError(f"lhs [M, K] and rhs [G, K, N] must agree in K, got {list(lhs.shape)} and {list(rhs.shape)}.")
+  if group_sizes.shape != rhs.shape[:1] or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+    raise ValueError(f"group_sizes must be int[{rhs.shape[0]}], got {group_sizes.dtype}{list(group_sizes.shape)}.")
+  impl = resolve_implementation(implementation, lhs.dtype)
+  rhs = rhs.astype(lhs.dtype)
+  if impl == "tokamax":
+    import tokamax
+
+    return tokamax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), preferred_element_type=lhs.dtype,
+                              implementation="mosaic")
+  return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision)
+
+
+def grouped_matmul_reference(lhs, rhs, group_sizes):
+  """The definition, row by row: each row times its group's matrix (float32; tests only)."""
+  ends = jnp.cumsum(group_sizes)
+  group = jnp.searchsorted(ends, jnp.arange(lhs.shape[0]), side="right")  # G for rows past the end
+  w = jnp.take(rhs, jnp.minimum(group, rhs.shape[0] - 1), axis=0).astype(jnp.float32)
+  out = jnp.einsum("mk,mkn->mn", lhs.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
+  return jnp.where((group < rhs.shape[0])[:, None], out, 0.0)
