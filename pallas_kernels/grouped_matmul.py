@@ -43,7 +43,7 @@ def resolve_implementation(implementation: str, dtype=jnp.bfloat16) -> str:
                      f"got {implementation!r}.")
   if implementation == "auto":
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    return "tokamax" if half and jax.default_backend() == "gpu" and _tokamax_available() else "xla"
+    return "tokamax" if half and jax.default_backend() in ("gpu", "cuda") and _tokamax_available() else "xla"
   if implementation == "tokamax" and not _tokamax_available():
     raise ValueError("implementation='tokamax' needs the tokamax package (pip install tokamax, or the "
                      "'.[cuda13]' extra); use 'xla'.")

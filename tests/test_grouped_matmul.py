@@ -15,7 +15,7 @@ from pallas_kernels.grouped_matmul import (
     resolve_implementation,
 )
 
-ON_GPU_WITH_TOKAMAX = jax.default_backend() == "gpu" and _tokamax_available()
+ON_GPU_WITH_TOKAMAX = jax.default_backend() in ("gpu", "cuda") and _tokamax_available()
 IMPLEMENTATIONS = ["xla"] + (["tokamax"] if ON_GPU_WITH_TOKAMAX else [])
 DTYPE = jnp.bfloat16 if ON_GPU_WITH_TOKAMAX else jnp.float32
 
