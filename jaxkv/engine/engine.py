@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from collections.abc import Iterable, Sequence
 
 import jax
@@ -22,7 +23,7 @@ import numpy as np
 from jaxkv.attention_group import AttentionGroup, map_to_kernel_block_tables
 from jaxkv.block_table import MultiGroupBlockTable
 from jaxkv.engine.model_runner import ModelRunner, plan_for
-from jaxkv.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
+from jaxkv.engine.request import MAX_LOGPROBS, Request, RequestOutput, RequestStatus, SamplingParams
 from jaxkv.engine.sampler import sample
 from jaxkv.engine.scheduler import Scheduler
 from jaxkv.kv_cache_config import CacheConfig
@@ -69,6 +70,73 @@ class EngineConfig:
     return tuple(b) + (self.max_num_batched_tokens,)
 
 
+@dataclasses.dataclass(frozen=True)
+class _PackedInputs:
+  """Where each per-step input lives in the one int32 buffer sent to the device each step.
+
+  The host fills NumPy views of one buffer (float fields as their float32 bits) and makes one
+  transfer; the step slices it back by these static offsets. Host dispatch cost per step is then
+  one ``device_put`` instead of one per array.
+  """
+
+  num_tokens: int
+  num_reqs: int
+  widths: tuple[int, ...]
+  num_drafts: int
+
+  @functools.cached_property
+  def fields(self) -> dict[str, tuple[int, tuple[int, ...], int]]:
+    """name -> (offset, shape, default); float fields are named ``*_f32``."""
+    t, r, k = self.num_tokens, self.num_reqs, self.num_drafts
+    spec = [("input_ids", (t,), 0), ("positions", (t,), 0), ("req_indices", (t,), -1), ("next_ids", (t,), -1)]
+    spec += [(f"table{g}", (r, w), 0) for g, w in enumerate(self.widths)]
+    spec += [(f"count{g}", (r,), 0) for g in range(len(self.widths))]
+    spec += [("state_slots", (r,), 0), ("sample_indices", (r, 1 + k), -1), ("draft_ids", (r, k), 0),
+             ("num_drafts", (r,), 0), ("temperature_f32", (r,), 0.0), ("top_p_f32", (r,), 1.0), ("seeds", (r,), 0),
+             ("steps", (r,), 0)]
+    out, at = {}, 0
+    for name, shape, default in spec:
+      out[name] = (at, shape, default)
+      at += math.prod(shape)
+    return out
+
+  @functools.cached_property
+  def template(self) -> np.ndarray:
+    buf = np.zeros(sum(math.prod(s) for _, s, _ in self.fields.values()), np.int32)
+    for name, view in self.host_views(buf).items():
+      view[...] = self.fields[name][2]
+    return buf
+
+  def host_views(self, buf: np.ndarray) -> dict[str, np.ndarray]:
+    views = {}
+    for name, (at, shape, _) in self.fields.items():
+      v = buf[at:at + math.prod(shape)].reshape(shape)
+      views[name] = v.view(np.float32) if name.endswith("_f32") else v
+    return views
+
+  def device_views(self, arr: jax.Array) -> dict[str, jax.Array]:
+    views = {}
+    for name, (at, shape, _) in self.fields.items():
+      v = arr[at:at + math.prod(shape)].reshape(shape)
+      views[name] = jax.lax.bitcast_convert_type(v, jnp.float32) if name.endswith("_f32") else v
+    return views
+
+
+def _pack_outputs(*arrays) -> jax.Array:
+  """One int32 vector of the step's outputs (float32 as bits): one transfer back."""
+  return jnp.concatenate([(jax.lax.bitcast_convert_type(a, jnp.int32) if a.dtype == jnp.float32 else a).ravel()
+                          for a in arrays])
+
+
+def _unpack_outputs(flat: np.ndarray, shapes) -> list[np.ndarray]:
+  out, at = [], 0
+  for shape, dtype in shapes:
+    n = math.prod(shape)
+    out.append(flat[at:at + n].view(dtype).reshape(shape))
+    at += n
+  return out
+
+
 class _StepStatics:
   """The step's static argument: the runner, the plan's layout and attention groups, the drafts.
 
@@ -79,10 +147,11 @@ class _StepStatics:
   _interned: dict = {}
 
   def __init__(self, runner: ModelRunner, layout, attention_groups: tuple[AttentionGroup, ...],
-               num_speculative_tokens: int):
+               num_speculative_tokens: int, params_treedef):
     self.runner, self.layout, self.attention_groups = runner, layout, attention_groups
     self.num_speculative_tokens = num_speculative_tokens
-    self._key = (runner, layout, attention_groups, num_speculative_tokens)
+    self.params_treedef = params_treedef
+    self._key = (runner, layout, attention_groups, num_speculative_tokens, params_treedef)
     self._hash = hash(self._key)
 
   @classmethod
@@ -97,9 +166,22 @@ class _StepStatics:
     return self is other or (isinstance(other, _StepStatics) and self._hash == other._hash and self._key == other._key)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
-def _device_step(statics: _StepStatics, params, caches, kernel_tables, inputs: StepInputs, sample_indices, next_ids,
-                 draft_ids, num_drafts, temperature, top_p, seeds, steps):
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4))
+def _device_step(statics: _StepStatics, packing: _PackedInputs, param_leaves, caches, kernel_tables, packed):
+  """Unpacks the step's one input buffer; returns the packed outputs, the caches, the kernel tables."""
+  v = packing.device_views(packed)
+  groups = range(len(packing.widths))
+  inputs = StepInputs(v["input_ids"], v["positions"], v["req_indices"], tuple(v[f"table{g}"] for g in groups),
+                      tuple(v[f"count{g}"] for g in groups), (None,) * len(kernel_tables), v["state_slots"])
+  params = jax.tree.unflatten(statics.params_treedef, param_leaves)
+  out, caches, kernel_tables = _step(statics, params, caches, kernel_tables, inputs, v["sample_indices"], v["next_ids"],
+                                     v["draft_ids"], v["num_drafts"], v["temperature_f32"], v["top_p_f32"], v["seeds"],
+                                     v["steps"])
+  return _pack_outputs(*out), caches, kernel_tables
+
+
+def _step(statics: _StepStatics, params, caches, kernel_tables, inputs: StepInputs, sample_indices, next_ids,
+          draft_ids, num_drafts, temperature, top_p, seeds, steps):
   """Kernel-block tables, the trunk over the step's tokens, verification and sampling of each
   sampling row, then the drafts for the next step.
 
@@ -158,7 +240,12 @@ class LLMEngine:
                                num_lookahead_tokens=max(k - 1, 0))
     self.caches = self.plan.allocate()
     self.kernel_tables = self.plan.init_kernel_block_tables(config.max_num_reqs)
-    self._statics = _StepStatics.intern(runner, runner.paged_layout(self.plan), self.plan.attention_groups, k)
+    # The weights as a flat tuple of arrays: jit flattens it in C++ each step (a Flax State takes
+    # Python calls per variable).
+    self._param_leaves, treedef = jax.tree.flatten(runner.params)
+    self._param_leaves = tuple(self._param_leaves)
+    self._statics = _StepStatics.intern(runner, runner.paged_layout(self.plan), self.plan.attention_groups, k, treedef)
+    self._packings: dict[int, _PackedInputs] = {}
     self._requests: dict[str, Request] = {}
     self._arrivals = itertools.count()
     self.num_steps = 0
@@ -224,49 +311,42 @@ class LLMEngine:
     cfg = self.config
     k = cfg.num_speculative_tokens
     r = cfg.max_num_reqs
-    input_ids = np.zeros(bucket, np.int32)
-    positions = np.zeros(bucket, np.int32)
-    req_indices = np.full(bucket, -1, np.int32)
-    next_ids = np.full(bucket, -1, np.int32)
-    sample_indices = np.full((r, 1 + k), -1, np.int32)
-    draft_ids = np.zeros((r, k), np.int32)
-    num_drafts = np.zeros(r, np.int32)
-    state_slots = np.zeros(r, np.int32)
-    temperature = np.zeros(r, np.float32)
-    top_p = np.ones(r, np.float32)
-    seeds = np.zeros(r, np.int32)
-    steps = np.zeros(r, np.int32)
+    packing = self._packings.get(bucket)
+    if packing is None:
+      packing = self._packings[bucket] = _PackedInputs(bucket, r, tuple(bt.width for bt in self.tables.block_tables), k)
+    buf = packing.template.copy()
+    v = packing.host_views(buf)
     at = 0
     for c in chunks:
       req = c.request
       ids = req.all_token_ids + req.spec_token_ids
       end = c.start + c.num_tokens
-      input_ids[at:at + c.num_tokens] = ids[c.start:end]
-      positions[at:at + c.num_tokens] = np.arange(c.start, end)
-      req_indices[at:at + c.num_tokens] = req.row
+      v["input_ids"][at:at + c.num_tokens] = ids[c.start:end]
+      v["positions"][at:at + c.num_tokens] = np.arange(c.start, end)
+      v["req_indices"][at:at + c.num_tokens] = req.row
       known = min(end, req.num_tokens - 1) - c.start  # tokens whose successor is committed
-      next_ids[at:at + known] = req.all_token_ids[c.start + 1:c.start + 1 + known]
-      state_slots[req.row] = req.state_slot
+      v["next_ids"][at:at + known] = req.all_token_ids[c.start + 1:c.start + 1 + known]
+      v["state_slots"][req.row] = req.state_slot
       at += c.num_tokens
       if c.samples:
         d = c.num_drafts
-        sample_indices[req.row, :d + 1] = np.arange(at - d - 1, at)
-        draft_ids[req.row, :d] = req.spec_token_ids[:d]
-        num_drafts[req.row] = d
-        temperature[req.row] = req.sampling.temperature
-        top_p[req.row] = req.sampling.top_p
-        seeds[req.row] = req.sampling.seed
-        steps[req.row] = len(req.output_token_ids)
-    tables = tuple(bt.block_table for bt in self.tables.block_tables)
-    counts = tuple(bt.num_blocks_per_row for bt in self.tables.block_tables)
-    # One host-to-device transfer for the whole step.
-    (ids_d, pos_d, req_d, tables_d, counts_d, slots_d, *rest) = jax.device_put(
-        (input_ids, positions, req_indices, tuple(t.copy() for t in tables), tuple(c.copy() for c in counts),
-         state_slots, sample_indices, next_ids, draft_ids, num_drafts, temperature, top_p, seeds, steps))
-    inputs = StepInputs(ids_d, pos_d, req_d, tables_d, counts_d, (None,) * len(self.kernel_tables), slots_d)
-    out, self.caches, self.kernel_tables = _device_step(self._statics, self.runner.params, self.caches,
-                                                        self.kernel_tables, inputs, *rest)
-    return jax.device_get(out)  # one transfer back
+        v["sample_indices"][req.row, :d + 1] = np.arange(at - d - 1, at)
+        v["draft_ids"][req.row, :d] = req.spec_token_ids[:d]
+        v["num_drafts"][req.row] = d
+        v["temperature_f32"][req.row] = req.sampling.temperature
+        v["top_p_f32"][req.row] = req.sampling.top_p
+        v["seeds"][req.row] = req.sampling.seed
+        v["steps"][req.row] = len(req.output_token_ids)
+    for g, bt in enumerate(self.tables.block_tables):
+      v[f"table{g}"][...] = bt.block_table
+      v[f"count{g}"][...] = bt.num_blocks_per_row
+    packed = jax.device_put(buf)  # one host-to-device transfer for the whole step
+    out, self.caches, self.kernel_tables = _device_step(self._statics, packing, self._param_leaves, self.caches,
+                                                        self.kernel_tables, packed)
+    s, top = 1 + k, min(MAX_LOGPROBS, self.runner.vocab_size)
+    shapes = [((r, s), np.int32), ((r,), np.int32), ((r, s, top), np.float32), ((r, s, top), np.int32),
+              ((r, k), np.int32)]
+    return _unpack_outputs(np.asarray(jax.device_get(out)), shapes)  # one transfer back
 
   def _next_drafts(self, request: Request, drafts: list[int]) -> list[int]:
     """The drafts to verify next step (the MTP layer's); a seam for tests that force drafts."""

@@ -83,11 +83,15 @@ def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, state_dtype
   sdt = jnp.dtype(state_dtype)
   conv_bytes = (kw - 1) * 3 * c * sdt.itemsize
   rec_bytes = h * k * k * 4
-  cols = view.offset_bytes + jnp.arange(conv_bytes + rec_bytes)
-  raw = arr[jnp.take_along_axis(table, inputs.state_slots[:, None], axis=1), cols]  # [R, page]
-  conv = jax.lax.bitcast_convert_type(raw[:, :conv_bytes].reshape(num_reqs, 3, kw - 1, c, sdt.itemsize), sdt)
+  # The state pages as 32-bit words, read and written as whole contiguous rows (one slice per
+  # request), not byte by byte.
+  words = _as_words(arr)
+  n_conv, off = conv_bytes // 4, view.offset_bytes // 4
+  raw = _read_rows(words, jnp.take_along_axis(table, inputs.state_slots[:, None], axis=1)[:, 0], off,
+                   n_conv + rec_bytes // 4)  # [R, page words]
+  conv = _from_words(raw[:, :n_conv], sdt).reshape(num_reqs, 3, kw - 1, c)
   conv = jnp.concatenate([conv[:, 0], conv[:, 1], conv[:, 2]], axis=-1)  # [R, kw-1, 3C]
-  rec = jax.lax.bitcast_convert_type(raw[:, conv_bytes:].reshape(num_reqs, h, k, k, 4), jnp.float32)
+  rec = jax.lax.bitcast_convert_type(raw[:, n_conv:], jnp.float32).reshape(num_reqs, h, k, k)
   # Requests with tokens in this step; one whose first token is position 0 starts from zero state
   # (its block may be recycled and hold another request's bytes).
   req, pos = inputs.req_indices, inputs.positions
@@ -127,13 +131,42 @@ def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, state_dtype
   (_, _, conv_slots, rec_slots), o = jax.lax.scan(step, init, (req, slot, mixed, g, beta))
   y = attn.output(o, x)
   # Write back the slots this step produced.
-  conv_parts = jnp.split(conv_slots.astype(sdt), 3, axis=-1)
-  new = jnp.concatenate(
-      [jax.lax.bitcast_convert_type(p, jnp.uint8).reshape(num_reqs, num_slots, -1) for p in conv_parts]
-      + [jax.lax.bitcast_convert_type(rec_slots, jnp.uint8).reshape(num_reqs, num_slots, -1)], axis=2)
-  dest = jnp.where(written, table, arr.shape[0])
-  caches = {**caches, view.tensor: arr.at[dest[:, :, None], cols].set(new, mode="drop")}
+  conv_parts = jnp.split(conv_slots.astype(sdt), 3, axis=-1)  # q, k, v windows, as stored
+  new = jnp.concatenate([_to_words(p).reshape(num_reqs, num_slots, -1) for p in conv_parts]
+                        + [_to_words(rec_slots).reshape(num_reqs, num_slots, -1)], axis=2)
+  words = _write_rows(words, jnp.where(written, table, words.shape[0]).reshape(-1), off,
+                      new.reshape(num_reqs * num_slots, -1))
+  caches = {**caches, view.tensor: jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(arr.shape)}
   return y, caches
+
+
+def _as_words(arr):
+  """A uint8 ``[N, B]`` backing array as uint32 ``[N, B / 4]`` (a free bitcast inside jit)."""
+  return jax.lax.bitcast_convert_type(arr.reshape(arr.shape[0], -1, 4), jnp.uint32)
+
+
+def _from_words(w, dtype):
+  """uint32 words ``[..., W]`` as ``dtype`` values ``[..., W * 4 / itemsize]`` (little-endian order)."""
+  return jax.lax.bitcast_convert_type(w, dtype).reshape(*w.shape[:-1], -1)
+
+
+def _to_words(x):
+  """Values ``[..., n]`` (n * itemsize a multiple of 4) as uint32 words, the inverse of ``_from_words``."""
+  per = 4 // x.dtype.itemsize
+  return jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], -1, per) if per > 1 else x, jnp.uint32)
+
+
+def _read_rows(words, rows, offset, n):
+  """``words[rows[i], offset:offset + n]`` for each i: one contiguous slice per row."""
+  return jax.vmap(lambda r: jax.lax.dynamic_slice(words, (r, offset), (1, n))[0])(rows)
+
+
+def _write_rows(words, rows, offset, values):
+  """``words[rows[i], offset:offset + n] = values[i]``; rows out of range write nothing."""
+  idx = jnp.stack([rows, jnp.full_like(rows, offset)], axis=1)
+  dnums = jax.lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0,),
+                                          scatter_dims_to_operand_dims=(0, 1))
+  return jax.lax.scatter(words, idx, values, dnums, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
 def _dsa_step(attn, x, caches, layout: PagedLayout, name: str, inputs: StepInputs, prev_indices, implementation,
