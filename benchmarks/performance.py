@@ -118,6 +118,7 @@ def main() -> int:
 
   import jax
 
+  jax.config.update("jax_explain_cache_misses", True)  # a compilation after warm-up says why
   from jaxkv.engine import EngineConfig, LLMEngine, get_model_family
   from jaxkv.engine.benchmark import benchmark_decode
   from jaxkv.kv_cache_config import CacheConfig

@@ -8,17 +8,19 @@ from jaxkv.engine import RequestStatus, SamplingParams
 from test_engine_equivalence import LLMEngine, cfg, prompts, runner
 
 
-def test_abort_frees_everything_and_others_continue():
-  engine = LLMEngine(runner(), cfg())
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_abort_frees_everything_and_others_continue(async_scheduling):
+  engine = LLMEngine(runner(), cfg(async_scheduling=async_scheduling))
   initial = engine.kv.num_free_blocks
   a = engine.add_request("a", prompts()[0], SamplingParams(max_new_tokens=6))
   b = engine.add_request("b", prompts()[1], SamplingParams(max_new_tokens=6))
   engine.step()
-  engine.abort("a")
+  engine.abort("a")  # async: a's first token is still in flight, and is dropped with it
   assert a.status == RequestStatus.ABORTED and a.row == -1
   while engine.has_unfinished():
     engine.step()
-  assert len(a.output_token_ids) == 1 and len(b.output_token_ids) == 6 and b.finish_reason == "length"
+  assert len(a.output_token_ids) == (0 if async_scheduling else 1)
+  assert len(b.output_token_ids) == 6 and b.finish_reason == "length"
   assert engine.kv.num_free_blocks == initial
   assert sorted(engine.scheduler.free_rows) == list(range(engine.config.max_num_reqs))
 
@@ -71,3 +73,19 @@ def test_warmup_compiles_every_bucket_and_writes_nothing():
     assert np.array_equal(np.asarray(v), before[k]), k
   engine.generate(prompts(), SamplingParams(max_new_tokens=6))
   assert engine.num_compilations == warm
+
+
+def test_async_steps_return_the_step_before_and_schedule_nothing_past_the_end():
+  """Step n+1 is dispatched before step n is read back: step() streams step n's tokens, the
+  request's next decode token comes from the device, and a request whose last token is in
+  flight is not scheduled again."""
+  sync = LLMEngine(runner(), cfg(async_scheduling=False))
+  want = sync.generate([prompts()[0]], SamplingParams(max_new_tokens=3, logprobs=2))[0]
+  engine = LLMEngine(runner(), cfg())
+  req = engine.add_request("a", prompts()[0], SamplingParams(max_new_tokens=3, logprobs=2))
+  streamed = [engine.step() for _ in range(4)]
+  assert [len(o) for o in streamed] == [0, 1, 1, 1]
+  assert [o[0].new_token_ids[0] for o in streamed[1:]] == want.output_token_ids
+  assert streamed[-1][0].finished and req.finish_reason == "length"
+  assert engine.num_steps == 3 and not engine.has_unfinished()  # prefill + 2 decode steps, no fourth
+  assert req.output_logprobs == want.output_logprobs

@@ -2,8 +2,8 @@
 
 Greedy tokens and top-5 log-probabilities are bitwise identical across manager block sizes
 (128, 256, 384 (not a power of two), 1024), a kernel split (256 into 64), dense and packed layouts,
-a request alone or batched with others, prefill chunk sizes (chunks ending mid-pool) and
-preemption with recompute, for one token bucket (every step padded to 64 tokens).
+a request alone or batched with others, prefill chunk sizes (chunks ending mid-pool),
+preemption with recompute and synchronous or async scheduling, for one token bucket (every step padded to 64 tokens).
 
 Where bitwise identity does not hold, the suite asserts a tolerance and says why:
 - steps compiled for different token buckets (8, 16, ...): XLA picks other matmul blockings for
@@ -90,6 +90,7 @@ VARIANTS = {
     "dense_split_256_into_64": cfg(layout="dense", kernel_block_size=64),
     "chunks_of_7": cfg(max_num_batched_tokens=7),  # chunks end mid-pool
     "chunks_of_13": cfg(max_num_batched_tokens=13),
+    "synchronous_steps": cfg(async_scheduling=False),  # the baseline dispatches a step ahead
 }
 
 
@@ -126,10 +127,11 @@ def test_preemption_and_recompute_change_nothing():
   # Every request fits with one token block; only one can grow to its second one at a time.
   tight = cfg(block_size=128, max_model_len=256,
               memory_bytes=probe.plan.bytes_per_block * (1 + 3 * (state_blocks + 1) + 1))
-  got, engine = generate(tight)
-  assert engine.scheduler.num_preemptions > 0
-  assert engine.kv.num_free_blocks == engine.plan.num_blocks - 1  # everything went back
-  assert got == roomy
+  for async_scheduling in (True, False):  # preempting a request whose next token is in flight
+    got, engine = generate(dataclasses.replace(tight, async_scheduling=async_scheduling))
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.kv.num_free_blocks == engine.plan.num_blocks - 1  # everything went back
+    assert got == roomy
 
 
 def assert_close_runs(got, want, atol):

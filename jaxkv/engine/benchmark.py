@@ -30,6 +30,7 @@ def benchmark_decode(engine: LLMEngine, prompts: Sequence[Sequence[int]], *, ste
   while not all(r.output_token_ids for r in reqs):
     engine.step()
   prefill_s = time.perf_counter() - t0
+  compiled_prefill = engine.num_compilations
   lat, tokens = [], 0
   drafted, accepted = engine.num_draft_tokens, engine.num_accepted_tokens
   for _ in range(steps):
@@ -60,6 +61,7 @@ def benchmark_decode(engine: LLMEngine, prompts: Sequence[Sequence[int]], *, ste
       "num_spec": engine.config.num_speculative_tokens, "acceptance_rate": accepted / drafted if drafted else None,
       "step_ms_p50": float(np.percentile(lat_ms, 50)), "step_ms_p90": float(np.percentile(lat_ms, 90)),
       "step_ms_p99": float(np.percentile(lat_ms, 99)), "warmup_s": warmup_s,
-      "compilations_after_warmup": compiled_warm, "compilations_at_end": engine.num_compilations,
+      "slowest_step": int(np.argmax(lat_ms)), "compilations_after_warmup": compiled_warm,
+      "compilations_after_prefill": compiled_prefill, "compilations_at_end": engine.num_compilations,
       **({"profile": profile} if profile else {}),
   }

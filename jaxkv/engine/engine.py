@@ -43,12 +43,17 @@ class EngineConfig:
       memory, max length): the one object every plan is made from.
     max_num_reqs: request rows per step; max_num_batched_tokens: token budget per step.
     buckets: step token counts compiled for (default: powers of two up to the budget).
+    async_scheduling: dispatch step n+1 before reading back step n (vLLM's async scheduling):
+      the tokens sampled in step n flow into step n+1 on the device, and ``step()`` returns the
+      outputs of the step before. Tokens and log-probabilities are identical to synchronous
+      steps. Applies without speculative tokens (a verify step needs the accepted count).
   """
 
   cache: CacheConfig = CacheConfig()
   max_num_reqs: int = 8
   max_num_batched_tokens: int = 64
   buckets: tuple[int, ...] | None = None
+  async_scheduling: bool = True
 
   @property
   def num_speculative_tokens(self) -> int:
@@ -83,12 +88,14 @@ class _PackedInputs:
   num_reqs: int
   widths: tuple[int, ...]
   num_drafts: int
+  max_query_len: int = 0  # StepInputs.max_query_len: 1 for uniform decode steps, else 0
 
   @functools.cached_property
   def fields(self) -> dict[str, tuple[int, tuple[int, ...], int]]:
     """name -> (offset, shape, default); float fields are named ``*_f32``."""
     t, r, k = self.num_tokens, self.num_reqs, self.num_drafts
-    spec = [("input_ids", (t,), 0), ("positions", (t,), 0), ("req_indices", (t,), -1), ("next_ids", (t,), -1)]
+    spec = [("input_ids", (t,), 0), ("prev_token_index", (t,), -1), ("positions", (t,), 0), ("req_indices", (t,), -1),
+            ("next_ids", (t,), -1)]
     spec += [(f"table{g}", (r, w), 0) for g, w in enumerate(self.widths)]
     spec += [(f"count{g}", (r,), 0) for g in range(len(self.widths))]
     spec += [("state_slots", (r,), 0), ("sample_indices", (r, 1 + k), -1), ("draft_ids", (r, k), 0),
@@ -167,12 +174,20 @@ class _StepStatics:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4))
-def _device_step(statics: _StepStatics, packing: _PackedInputs, param_leaves, caches, kernel_tables, packed):
-  """Unpacks the step's one input buffer; returns the packed outputs, the caches, the kernel tables."""
+def _device_step(statics: _StepStatics, packing: _PackedInputs, param_leaves, caches, kernel_tables, packed,
+                 prev_out):
+  """Unpacks the step's one input buffer; returns the packed outputs, the caches, the kernel tables.
+
+  ``prev_out``: the previous step's packed outputs, still on the device. A token whose id the host
+  does not know yet (sampled by the step in flight) names its place there in ``prev_token_index``.
+  """
   v = packing.device_views(packed)
   groups = range(len(packing.widths))
-  inputs = StepInputs(v["input_ids"], v["positions"], v["req_indices"], tuple(v[f"table{g}"] for g in groups),
-                      tuple(v[f"count{g}"] for g in groups), (None,) * len(kernel_tables), v["state_slots"])
+  src = v["prev_token_index"]
+  input_ids = jnp.where(src >= 0, prev_out[jnp.maximum(src, 0)], v["input_ids"])
+  inputs = StepInputs(input_ids, v["positions"], v["req_indices"], tuple(v[f"table{g}"] for g in groups),
+                      tuple(v[f"count{g}"] for g in groups), (None,) * len(kernel_tables), v["state_slots"],
+                      packing.max_query_len)
   params = jax.tree.unflatten(statics.params_treedef, param_leaves)
   out, caches, kernel_tables = _step(statics, params, caches, kernel_tables, inputs, v["sample_indices"], v["next_ids"],
                                      v["draft_ids"], v["num_drafts"], v["temperature_f32"], v["top_p_f32"], v["seeds"],
@@ -245,7 +260,19 @@ class LLMEngine:
     self._param_leaves, treedef = jax.tree.flatten(runner.params)
     self._param_leaves = tuple(self._param_leaves)
     self._statics = _StepStatics.intern(runner, runner.paged_layout(self.plan), self.plan.attention_groups, k, treedef)
-    self._packings: dict[int, _PackedInputs] = {}
+    self._packings: dict[tuple[int, bool], _PackedInputs] = {}
+    s, top = 1 + k, min(MAX_LOGPROBS, runner.vocab_size)
+    r = config.max_num_reqs
+    self._out_shapes = [((r, s), np.int32), ((r,), np.int32), ((r, s, top), np.float32), ((r, s, top), np.int32),
+                        ((r, k), np.int32)]
+    self._async = config.async_scheduling and k == 0
+    # Decode steps of one token per request advance KDA for all requests at once (bitwise equal to
+    # the token-by-token scan). Verify steps of 1 + k tokens keep the scan: unrolled over k they
+    # round differently (1.7e-6 in log-probabilities), which would break the bitwise claims.
+    self._uniform_decode = k == 0
+    # The step in flight (async scheduling): its chunks and its packed outputs, not yet read back.
+    self._in_flight: tuple[list, jax.Array] | None = None
+    self._prev_out = jnp.zeros(sum(math.prod(shape) for shape, _ in self._out_shapes), jnp.int32)
     self._requests: dict[str, Request] = {}
     self._arrivals = itertools.count()
     self.num_steps = 0
@@ -285,7 +312,7 @@ class LLMEngine:
       self.scheduler.finish(request, RequestStatus.ABORTED, "abort")
 
   def has_unfinished(self) -> bool:
-    return self.scheduler.has_work()
+    return self.scheduler.has_work() or self._in_flight is not None
 
   # -- step ------------------------------------------------------------------------------------
 
@@ -293,27 +320,41 @@ class LLMEngine:
     """Compiles the step for every token bucket before serving (vLLM captures its CUDA graphs at
     start-up): one step of padding tokens per bucket, which writes nothing. Returns
     ``num_compilations``."""
-    for bucket in self.config.token_buckets:
-      self._run([], bucket)
+    buckets = self.config.token_buckets
+    last_decode_bucket = next((b for b in buckets if b >= self.config.max_num_reqs), buckets[-1])
+    for bucket in buckets:
+      self._read_back(self._launch([], bucket, uniform_decode=False))
+      if self._uniform_decode and bucket <= last_decode_bucket:  # a decode batch can land here
+        self._read_back(self._launch([], bucket, uniform_decode=True))
     return self.num_compilations
 
   def step(self) -> list[RequestOutput]:
+    """Schedules and runs one step. Synchronously, returns its outputs; with async scheduling,
+    dispatches it first and then returns the outputs of the step before (which the scheduler
+    already counted on: each sampling request's next token is in flight)."""
     chunks = self.scheduler.schedule()
-    if not chunks:
-      return []
-    n = sum(c.num_tokens for c in chunks)
-    out = self._run(chunks, next(b for b in self.config.token_buckets if b >= n))
-    self.num_steps += 1
-    return self._update(chunks, *out)
+    out = None
+    if chunks:
+      n = sum(c.num_tokens for c in chunks)
+      uniform = self._uniform_decode and all(c.num_tokens == 1 for c in chunks)
+      out = self._launch(chunks, next(b for b in self.config.token_buckets if b >= n), uniform_decode=uniform)
+      self.num_steps += 1
+    if not self._async:
+      return self._update(chunks, *self._read_back(out)) if chunks else []
+    previous, self._in_flight = self._in_flight, (chunks, out) if chunks else None
+    return self._update(previous[0], *self._read_back(previous[1])) if previous else []
 
-  def _run(self, chunks, bucket: int):
-    """Lays the chunks out in ``bucket`` tokens, runs the jitted step; one transfer each way."""
+  def _launch(self, chunks, bucket: int, *, uniform_decode: bool) -> jax.Array:
+    """Lays the chunks out in ``bucket`` tokens and dispatches the jitted step (one transfer in);
+    returns its packed outputs without waiting for them. ``uniform_decode``: every chunk is one
+    token (the step's variant for decode batches, ``StepInputs.max_query_len == 1``)."""
     cfg = self.config
     k = cfg.num_speculative_tokens
     r = cfg.max_num_reqs
-    packing = self._packings.get(bucket)
+    packing = self._packings.get((bucket, uniform_decode))
     if packing is None:
-      packing = self._packings[bucket] = _PackedInputs(bucket, r, tuple(bt.width for bt in self.tables.block_tables), k)
+      packing = self._packings[bucket, uniform_decode] = _PackedInputs(
+          bucket, r, tuple(bt.width for bt in self.tables.block_tables), k, int(uniform_decode))
     buf = packing.template.copy()
     v = packing.host_views(buf)
     at = 0
@@ -321,10 +362,13 @@ class LLMEngine:
       req = c.request
       ids = req.all_token_ids + req.spec_token_ids
       end = c.start + c.num_tokens
-      v["input_ids"][at:at + c.num_tokens] = ids[c.start:end]
+      known_ids = min(end, len(ids)) - c.start
+      v["input_ids"][at:at + known_ids] = ids[c.start:c.start + known_ids]
+      if known_ids < c.num_tokens:  # the token in flight: read on the device from the step before
+        v["prev_token_index"][at + known_ids] = req.in_flight_row * (1 + k)
       v["positions"][at:at + c.num_tokens] = np.arange(c.start, end)
       v["req_indices"][at:at + c.num_tokens] = req.row
-      known = min(end, req.num_tokens - 1) - c.start  # tokens whose successor is committed
+      known = max(min(end, len(req.all_token_ids) - 1) - c.start, 0)  # tokens whose successor is committed
       v["next_ids"][at:at + known] = req.all_token_ids[c.start + 1:c.start + 1 + known]
       v["state_slots"][req.row] = req.state_slot
       at += c.num_tokens
@@ -336,17 +380,23 @@ class LLMEngine:
         v["temperature_f32"][req.row] = req.sampling.temperature
         v["top_p_f32"][req.row] = req.sampling.top_p
         v["seeds"][req.row] = req.sampling.seed
-        v["steps"][req.row] = len(req.output_token_ids)
+        v["steps"][req.row] = len(req.output_token_ids) + req.num_in_flight
     for g, bt in enumerate(self.tables.block_tables):
       v[f"table{g}"][...] = bt.block_table
       v[f"count{g}"][...] = bt.num_blocks_per_row
     packed = jax.device_put(buf)  # one host-to-device transfer for the whole step
     out, self.caches, self.kernel_tables = _device_step(self._statics, packing, self._param_leaves, self.caches,
-                                                        self.kernel_tables, packed)
-    s, top = 1 + k, min(MAX_LOGPROBS, self.runner.vocab_size)
-    shapes = [((r, s), np.int32), ((r,), np.int32), ((r, s, top), np.float32), ((r, s, top), np.int32),
-              ((r, k), np.int32)]
-    return _unpack_outputs(np.asarray(jax.device_get(out)), shapes)  # one transfer back
+                                                        self.kernel_tables, packed, self._prev_out)
+    self._prev_out = out
+    if self._async:
+      for c in chunks:
+        if c.samples:
+          c.request.num_in_flight += 1
+          c.request.in_flight_row = c.request.row
+    return out
+
+  def _read_back(self, out: jax.Array) -> list[np.ndarray]:
+    return _unpack_outputs(np.asarray(jax.device_get(out)), self._out_shapes)  # one transfer back
 
   def _next_drafts(self, request: Request, drafts: list[int]) -> list[int]:
     """The drafts to verify next step (the MTP layer's); a seam for tests that force drafts."""
@@ -357,6 +407,10 @@ class LLMEngine:
     outputs = []
     for c in chunks:
       req = c.request
+      if req.status in (RequestStatus.FINISHED, RequestStatus.ABORTED):
+        continue  # ended while this step was in flight (a stop token, an abort): nothing to emit
+      if c.samples and self._async:
+        req.num_in_flight -= 1
       # Rollback: positions of rejected drafts count as not computed (later steps overwrite their
       # latents, pooled keys and ring slots), and KDA continues from the last accepted token's slot.
       a = int(num_accepted[req.row]) if c.samples else 0

@@ -68,14 +68,25 @@ class Request:
   # the KDA state slot the next step continues from (the last one unless drafts were rejected).
   spec_token_ids: list[int] = dataclasses.field(default_factory=list)
   state_slot: int = 0
+  # Async scheduling: a token sampled by the step in flight (0 or 1), not read back yet, and the
+  # block-table row that step sampled it in (where the next step reads it on the device).
+  num_in_flight: int = 0
+  in_flight_row: int = -1
 
   @property
   def all_token_ids(self) -> list[int]:
+    """The known tokens: prompt and outputs read back."""
     return self.prompt_token_ids + self.output_token_ids
 
   @property
   def num_tokens(self) -> int:
-    return len(self.prompt_token_ids) + len(self.output_token_ids)
+    """Tokens the scheduler counts on, the one in flight included."""
+    return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_in_flight
+
+  @property
+  def awaits_last_token(self) -> bool:
+    """The token in flight is the last this request may emit: nothing more to schedule."""
+    return self.num_in_flight > 0 and len(self.output_token_ids) + self.num_in_flight >= self.sampling.max_new_tokens
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,27 +54,36 @@ def sample(
   top_lp, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, v))
   greedy = jnp.argmax(logits, axis=-1)  # [R, S]
   hot = temperature > 0
-  scaled = logits / jnp.where(hot, temperature, 1.0)[:, None, None]
-  order = jnp.argsort(-scaled, axis=-1)
-  sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-  probs = jax.nn.softmax(sorted_logits, axis=-1)
-  # Keep a token if the mass before it is < top_p (the first token is always kept).
-  keep_sorted = (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None, None]
-  keep = jnp.put_along_axis(jnp.zeros_like(keep_sorted), order, keep_sorted, axis=-1, inplace=False)
-  masked = jnp.where(keep, scaled, -jnp.inf)  # [R, S, V] log-weights of p_i
-
   idx = jnp.arange(s)
-  keys = jax.vmap(lambda sd, st: jax.random.fold_in(jax.random.key(sd), st))(
-      jnp.repeat(seeds, s), (steps[:, None] + idx).reshape(-1))  # [R * S]
   is_draft = idx[None, :] < num_drafts[:, None]  # [R, S]: position i verifies draft i
   drafts = jnp.concatenate([draft_ids, jnp.zeros((r, 1), draft_ids.dtype)], axis=1).astype(jnp.int32)
-  p_draft = jnp.take_along_axis(jax.nn.softmax(masked, axis=-1), drafts[..., None], axis=-1)[..., 0]
-  u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys).reshape(r, s)
-  accept = jnp.where(hot[:, None], u < p_draft, drafts == greedy) & is_draft
+
+  def sampled(_):
+    """Tokens and acceptances of the hot rows: the nucleus needs a sort of the vocabulary."""
+    scaled = logits / jnp.where(hot, temperature, 1.0)[:, None, None]
+    order = jnp.argsort(-scaled, axis=-1)
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    # Keep a token if the mass before it is < top_p (the first token is always kept).
+    keep_sorted = (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None, None]
+    keep = jnp.put_along_axis(jnp.zeros_like(keep_sorted), order, keep_sorted, axis=-1, inplace=False)
+    masked = jnp.where(keep, scaled, -jnp.inf)  # [R, S, V] log-weights of p_i
+    keys = jax.vmap(lambda sd, st: jax.random.fold_in(jax.random.key(sd), st))(
+        jnp.repeat(seeds, s), (steps[:, None] + idx).reshape(-1))  # [R * S]
+    p_draft = jnp.take_along_axis(jax.nn.softmax(masked, axis=-1), drafts[..., None], axis=-1)[..., 0]
+    u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys).reshape(r, s)
+    # At a rejected draft the token comes from p without the draft; after the drafts, from p.
+    residual = jnp.where(is_draft[..., None] & (jnp.arange(v) == drafts[..., None]), -jnp.inf, masked)
+    drawn = jax.vmap(jax.random.categorical)(keys, residual.reshape(r * s, v)).reshape(r, s)
+    return jnp.where(hot[:, None], drawn, greedy).astype(jnp.int32), jnp.where(hot[:, None], u < p_draft,
+                                                                               drafts == greedy)
+
+  def all_greedy(_):
+    return greedy.astype(jnp.int32), drafts == greedy
+
+  # A batch without temperature skips the vocabulary sort and the draws (the common serving case).
+  tokens, accept = jax.lax.cond(jnp.any(hot), sampled, all_greedy, None)
+  accept = accept & is_draft
   num_accepted = jnp.sum(jnp.cumprod(accept, axis=1), axis=1).astype(jnp.int32)
-  # At a rejected draft the token comes from p without the draft; after the drafts, from p.
-  residual = jnp.where(is_draft[..., None] & (jnp.arange(v) == drafts[..., None]), -jnp.inf, masked)
-  drawn = jax.vmap(jax.random.categorical)(keys, residual.reshape(r * s, v)).reshape(r, s)
-  tokens = jnp.where(hot[:, None], drawn, greedy)
   tokens = jnp.where(idx[None, :] < num_accepted[:, None], drafts, tokens)
   return tokens.astype(jnp.int32), num_accepted, top_lp, top_ids.astype(jnp.int32)

@@ -108,7 +108,7 @@ class Scheduler:
     for request in list(self.running):
       if budget == 0:
         break
-      if request not in self.running:  # preempted below by an earlier request
+      if request not in self.running or request.awaits_last_token:  # preempted below; or done
         continue
       n = min(self._pending(request), budget)
       while not self._allocate(request, n):
