@@ -1,4 +1,8 @@
-"""Engine behaviour beyond equivalence: aborts, bad requests, sampling parameters."""
+"""Engine behaviour beyond equivalence: aborts, bad requests, sampling parameters, async steps,
+reliability at the boundary."""
+
+import re
+import threading
 
 import jax.numpy as jnp
 import numpy as np
@@ -34,7 +38,7 @@ def test_stop_token_ends_a_request():
 
 def test_bad_requests_are_refused_with_their_values():
   engine = LLMEngine(runner(), cfg(max_model_len=64))
-  with pytest.raises(ValueError, match=r"prompt token ids must be non-empty and in \[0, 256\)"):
+  with pytest.raises(ValueError, match=r"prompt token 1 is 999; token ids are integers in \[0, 256\)"):
     engine.add_request("x", [1, 999])
   with pytest.raises(ValueError, match="60 prompt \\+ 8 new tokens exceed max_model_len 64"):
     engine.add_request("y", list(range(1, 61)), SamplingParams(max_new_tokens=8))
@@ -89,3 +93,95 @@ def test_async_steps_return_the_step_before_and_schedule_nothing_past_the_end():
   assert streamed[-1][0].finished and req.finish_reason == "length"
   assert engine.num_steps == 3 and not engine.has_unfinished()  # prefill + 2 decode steps, no fourth
   assert req.output_logprobs == want.output_logprobs
+
+
+# -- reliability at the boundary (one bad request never stops the engine) ---------------------------
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(seed=2**31), r"seed must be in \[0, 2\*\*31\), got 2147483648"),
+    (dict(seed=-1), "seed must be in"),
+    (dict(temperature=float("nan")), "temperature must be a finite number, got nan"),
+    (dict(top_p="1"), "top_p must be a finite number"),
+    (dict(max_new_tokens=2.5), "max_new_tokens must be an integer, got 2.5"),
+    (dict(logprobs=True), "logprobs must be an integer, got True"),
+    (dict(stop_token_ids=[1]), "stop_token_ids must be a tuple"),
+])
+def test_sampling_values_are_checked(kw, message):
+  with pytest.raises(ValueError, match=message):
+    SamplingParams(**kw)
+
+
+def test_token_ids_are_integers_in_the_vocabulary():
+  engine = LLMEngine(runner(), cfg())
+  for bad, shown in [([1, 3.7], "3.7"), ([1, "5"], "'5'"), ([True, 2], "True"), ([1, 99999], "99999"), ([-5], "-5")]:
+    with pytest.raises(ValueError, match=rf"prompt token \d is {re.escape(shown)}; token ids are integers in \[0, 256\)"):
+      engine.add_request("x", bad)
+  with pytest.raises(ValueError, match="prompt_token_ids must be a sequence of token ids, got int 1"):
+    engine.generate([1, 2, 3])
+  assert not engine.has_unfinished()
+
+
+def test_a_failing_generate_admits_nothing():
+  engine = LLMEngine(runner(), cfg())
+  with pytest.raises(ValueError, match="'gen-0-1': the prompt is empty"):
+    engine.generate([[1, 2, 3], []])
+  assert not engine.has_unfinished()
+  assert [len(r.output_token_ids) for r in engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))] == [2]
+
+
+def test_finished_requests_leave_the_engine_and_their_ids_are_reused():
+  engine = LLMEngine(runner(), cfg())
+  for _ in range(3):
+    reqs = [engine.add_request(f"r{i}", prompts()[i % 4], SamplingParams(max_new_tokens=2)) for i in range(5)]
+    engine.abort("r4")
+    while engine.has_unfinished():
+      engine.step()
+    assert all(r.finish_reason == "length" for r in reqs[:4])
+    assert engine._requests == {}  # nothing held after the last output went out
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_that_cannot_be_laid_out_ends_alone(async_scheduling):
+  """A request whose step input fails to pack (a seed past int32, slipped past the check as a host
+  bug could) ends with reason "error" and its blocks freed; the others' tokens are unchanged."""
+  sampling = SamplingParams(max_new_tokens=4, logprobs=5)
+  want = LLMEngine(runner(), cfg()).generate(prompts(), sampling)
+  engine = LLMEngine(runner(), cfg(async_scheduling=async_scheduling))
+  initial = engine.kv.num_free_blocks
+  reqs = [engine.add_request(str(i), p, sampling) for i, p in enumerate(prompts())]
+  bad = engine.add_request("bad", prompts()[1], SamplingParams(max_new_tokens=4, seed=1))
+  object.__setattr__(bad.sampling, "seed", 2**31)
+  outputs = []
+  while engine.has_unfinished():
+    outputs += engine.step()
+  assert bad.finish_reason == "error" and "OverflowError" in bad.error and bad.output_token_ids == []
+  assert [o.finish_reason for o in outputs if o.request_id == "bad"] == ["error"]
+  for got, ref in zip(reqs, want):
+    assert got.output_token_ids == ref.output_token_ids
+    np.testing.assert_allclose([[v for _, v in s] for s in got.output_logprobs],
+                               [[v for _, v in s] for s in ref.output_logprobs], atol=1e-5)
+  assert engine.kv.num_free_blocks == initial and engine._requests == {}
+
+
+def test_abort_from_another_thread_waits_for_the_step_in_progress():
+  engine = LLMEngine(runner(), cfg(async_scheduling=False))
+  a = engine.add_request("a", prompts()[0], SamplingParams(max_new_tokens=6))
+  b = engine.add_request("b", prompts()[1], SamplingParams(max_new_tokens=6))
+  read_back, aborter = engine._read_back, threading.Thread(target=engine.abort, args=("a",))
+
+  def read_back_while_aborting(out):
+    aborter.start()
+    aborter.join(0.3)
+    assert aborter.is_alive()  # the abort waits for the step
+    return read_back(out)
+
+  engine._read_back = read_back_while_aborting
+  engine.step()
+  aborter.join()
+  del engine._read_back
+  assert a.status == RequestStatus.ABORTED and len(a.output_token_ids) == 1  # the step finished first
+  while engine.has_unfinished():
+    engine.step()
+  alone = LLMEngine(runner(), cfg()).generate([prompts()[1]], SamplingParams(max_new_tokens=6))[0]
+  assert b.output_token_ids == alone.output_token_ids

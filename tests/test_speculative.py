@@ -203,3 +203,40 @@ def test_speculative_sampling_keeps_the_target_distribution():
     assert abs(np.asarray(accepted).mean() - p[draft]) < 4 * np.sqrt(p[draft] * (1 - p[draft]) / n)
     # A rejected draft is never emitted in its place.
     assert not np.any((np.asarray(accepted) == 0) & (first == draft))
+
+
+def test_a_draw_does_not_depend_on_the_drafts():
+  """The token at an output index is the same draw whatever was drafted before it: all drafts
+  accepted, or rejected at any index, the emitted tokens are the undrafted draws."""
+  rng = np.random.default_rng(3)
+  n = 64
+  logits = jnp.asarray(rng.normal(size=(n, 4, 50)) * 2, jnp.float32)
+  seeds = jnp.asarray(rng.integers(0, 2**31 - 1, n), jnp.int32)
+  steps = jnp.asarray(rng.integers(0, 100, n), jnp.int32)
+  undrafted = np.asarray(_sample(logits, jnp.zeros((n, 3), jnp.int32), jnp.zeros(n, jnp.int32), 0.9, 0.95, seeds,
+                                 steps)[0])
+  for reject_at in (3, 0, 1, 2):  # 3: every draft accepted
+    drafts = undrafted[:, :3].copy()
+    if reject_at < 3:
+      drafts[:, reject_at] = (drafts[:, reject_at] + 1) % 50
+    tokens, accepted, _, _ = _sample(logits, jnp.asarray(drafts), jnp.full(n, 3, jnp.int32), 0.9, 0.95, seeds, steps)
+    assert list(np.asarray(accepted)) == [reject_at] * n
+    np.testing.assert_array_equal(np.asarray(tokens)[:, :reject_at + 1], undrafted[:, :reject_at + 1])
+
+
+def test_seeded_sampling_with_accepted_drafts_survives_preemption():
+  """Seeded temperature sampling with drafts that are accepted (forced to the request's own
+  continuation), under preemption, emits the tokens of the undrafted, unpreempted run."""
+  rng = np.random.default_rng(9)
+  long_prompts = [[int(t) for t in rng.integers(1, 256, n)] for n in (124, 122, 126)]
+  sampling = SamplingParams(max_new_tokens=12, temperature=0.8, seed=11)
+  plain = LLMEngine(runner(), cfg(block_size=128, max_model_len=256)).generate(long_prompts, sampling)
+  truth = {tuple(p): r.output_token_ids for p, r in zip(long_prompts, plain)}
+  probe = LLMEngine(runner(), cfg(block_size=128, max_model_len=256, num_speculative_tokens=2))
+  state_blocks = probe.plan.blocks_per_request(1) - 1
+  tight = cfg(block_size=128, max_model_len=256, num_speculative_tokens=2,
+              memory_bytes=probe.plan.bytes_per_block * (1 + 3 * (state_blocks + 1) + 1))
+  engine = ForcedDraftEngine(runner(), tight, truth=truth)
+  got = engine.generate(long_prompts, sampling)
+  assert engine.scheduler.num_preemptions > 0 and engine.num_accepted_tokens > 0
+  assert [r.output_token_ids for r in got] == [r.output_token_ids for r in plain]

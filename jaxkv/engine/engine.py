@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import threading
 from collections.abc import Iterable, Sequence
 
 import jax
@@ -23,7 +24,7 @@ import numpy as np
 from jaxkv.attention_group import AttentionGroup, map_to_kernel_block_tables
 from jaxkv.block_table import MultiGroupBlockTable
 from jaxkv.engine.model_runner import ModelRunner, plan_for
-from jaxkv.engine.request import MAX_LOGPROBS, Request, RequestOutput, RequestStatus, SamplingParams
+from jaxkv.engine.request import MAX_LOGPROBS, Request, RequestOutput, RequestStatus, SamplingParams, is_int
 from jaxkv.engine.sampler import sample
 from jaxkv.engine.scheduler import Scheduler
 from jaxkv.kv_cache_config import CacheConfig
@@ -75,6 +76,10 @@ class EngineConfig:
     return tuple(b) + (self.max_num_batched_tokens,)
 
 
+# Per-token fields of the packed step input, with their padding values.
+_TOKEN_FIELDS = {"input_ids": 0, "prev_token_index": -1, "positions": 0, "req_indices": -1, "next_ids": -1}
+
+
 @dataclasses.dataclass(frozen=True)
 class _PackedInputs:
   """Where each per-step input lives in the one int32 buffer sent to the device each step.
@@ -94,8 +99,7 @@ class _PackedInputs:
   def fields(self) -> dict[str, tuple[int, tuple[int, ...], int]]:
     """name -> (offset, shape, default); float fields are named ``*_f32``."""
     t, r, k = self.num_tokens, self.num_reqs, self.num_drafts
-    spec = [("input_ids", (t,), 0), ("prev_token_index", (t,), -1), ("positions", (t,), 0), ("req_indices", (t,), -1),
-            ("next_ids", (t,), -1)]
+    spec = [(name, (t,), default) for name, default in _TOKEN_FIELDS.items()]
     spec += [(f"table{g}", (r, w), 0) for g, w in enumerate(self.widths)]
     spec += [(f"count{g}", (r,), 0) for g in range(len(self.widths))]
     spec += [("state_slots", (r,), 0), ("sample_indices", (r, 1 + k), -1), ("draft_ids", (r, k), 0),
@@ -274,6 +278,7 @@ class LLMEngine:
     self._in_flight: tuple[list, jax.Array] | None = None
     self._prev_out = jnp.zeros(sum(math.prod(shape) for shape, _ in self._out_shapes), jnp.int32)
     self._requests: dict[str, Request] = {}
+    self._lock = threading.RLock()  # one step at a time; add_request and abort wait for it
     self._arrivals = itertools.count()
     self.num_steps = 0
     self.num_draft_tokens = 0  # drafts verified
@@ -291,25 +296,43 @@ class LLMEngine:
 
   # -- requests ------------------------------------------------------------------------------
 
-  def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams = SamplingParams()):
-    if request_id in self._requests:
-      raise ValueError(f"request id {request_id!r} is already in use.")
-    ids = [int(t) for t in prompt_token_ids]
+  def _check_request(self, request_id: str, prompt_token_ids, sampling) -> list[int]:
+    """The prompt as a list of ints, or a ValueError naming the request, the field and the value."""
+    if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, (Sequence, np.ndarray)):
+      raise ValueError(f"request {request_id!r}: prompt_token_ids must be a sequence of token ids, got "
+                       f"{type(prompt_token_ids).__name__} {prompt_token_ids!r}.")
+    if not isinstance(sampling, SamplingParams):
+      raise ValueError(f"request {request_id!r}: sampling must be SamplingParams, got {type(sampling).__name__}.")
+    ids = list(prompt_token_ids)
     vocab = self.runner.vocab_size
-    if not ids or min(ids) < 0 or max(ids) >= vocab:
-      raise ValueError(f"request {request_id!r}: prompt token ids must be non-empty and in [0, {vocab}).")
+    if not ids:
+      raise ValueError(f"request {request_id!r}: the prompt is empty.")
+    for i, t in enumerate(ids):
+      if not is_int(t) or not 0 <= t < vocab:
+        raise ValueError(f"request {request_id!r}: prompt token {i} is {t!r}; token ids are integers in [0, {vocab}).")
     if len(ids) + sampling.max_new_tokens > self.config.max_model_len:
       raise ValueError(f"request {request_id!r}: {len(ids)} prompt + {sampling.max_new_tokens} new tokens exceed "
                        f"max_model_len {self.config.max_model_len}.")
-    request = Request(request_id, ids, sampling, next(self._arrivals), state_slot=self.config.num_speculative_tokens)
-    self._requests[request_id] = request
-    self.scheduler.add(request)
-    return request
+    return [int(t) for t in ids]
+
+  def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams = SamplingParams()):
+    """Queues a request (checked first: nothing is admitted on a ValueError). Its id is free again
+    once its last output has been returned."""
+    with self._lock:
+      if request_id in self._requests:
+        raise ValueError(f"request id {request_id!r} is already in use.")
+      ids = self._check_request(request_id, prompt_token_ids, sampling)
+      request = Request(request_id, ids, sampling, next(self._arrivals), state_slot=self.config.num_speculative_tokens)
+      self._requests[request_id] = request
+      self.scheduler.add(request)
+      return request
 
   def abort(self, request_id: str) -> None:
-    request = self._requests.pop(request_id, None)
-    if request is not None and request.status in (RequestStatus.WAITING, RequestStatus.RUNNING):
-      self.scheduler.finish(request, RequestStatus.ABORTED, "abort")
+    """Ends a request; safe from any thread (it waits for a step in progress)."""
+    with self._lock:
+      request = self._requests.pop(request_id, None)
+      if request is not None and request.status in (RequestStatus.WAITING, RequestStatus.RUNNING):
+        self.scheduler.finish(request, RequestStatus.ABORTED, "abort")
 
   def has_unfinished(self) -> bool:
     return self.scheduler.has_work() or self._in_flight is not None
@@ -323,31 +346,44 @@ class LLMEngine:
     buckets = self.config.token_buckets
     last_decode_bucket = next((b for b in buckets if b >= self.config.max_num_reqs), buckets[-1])
     for bucket in buckets:
-      self._read_back(self._launch([], bucket, uniform_decode=False))
+      self._read_back(self._launch([], bucket, uniform_decode=False)[0])
       if self._uniform_decode and bucket <= last_decode_bucket:  # a decode batch can land here
-        self._read_back(self._launch([], bucket, uniform_decode=True))
+        self._read_back(self._launch([], bucket, uniform_decode=True)[0])
     return self.num_compilations
 
   def step(self) -> list[RequestOutput]:
     """Schedules and runs one step. Synchronously, returns its outputs; with async scheduling,
     dispatches it first and then returns the outputs of the step before (which the scheduler
-    already counted on: each sampling request's next token is in flight)."""
-    chunks = self.scheduler.schedule()
-    out = None
-    if chunks:
-      n = sum(c.num_tokens for c in chunks)
-      uniform = self._uniform_decode and all(c.num_tokens == 1 for c in chunks)
-      out = self._launch(chunks, next(b for b in self.config.token_buckets if b >= n), uniform_decode=uniform)
-      self.num_steps += 1
-    if not self._async:
-      return self._update(chunks, *self._read_back(out)) if chunks else []
-    previous, self._in_flight = self._in_flight, (chunks, out) if chunks else None
-    return self._update(previous[0], *self._read_back(previous[1])) if previous else []
+    already counted on: each sampling request's next token is in flight). A request whose step
+    input cannot be prepared ends with finish reason ``"error"`` (``Request.error`` says why);
+    the others run on."""
+    with self._lock:
+      chunks = self.scheduler.schedule()
+      out, failed = None, []
+      if chunks:
+        n = sum(c.num_tokens for c in chunks)
+        uniform = self._uniform_decode and all(c.num_tokens == 1 for c in chunks)
+        out, chunks, failed = self._launch(chunks, next(b for b in self.config.token_buckets if b >= n),
+                                           uniform_decode=uniform)
+        self.num_steps += out is not None
+      errors = [self._fail(req, err) for req, err in failed]
+      if not self._async:
+        return errors + (self._update(chunks, *self._read_back(out)) if chunks else [])
+      previous, self._in_flight = self._in_flight, (chunks, out) if chunks else None
+      return errors + (self._update(previous[0], *self._read_back(previous[1])) if previous else [])
 
-  def _launch(self, chunks, bucket: int, *, uniform_decode: bool) -> jax.Array:
-    """Lays the chunks out in ``bucket`` tokens and dispatches the jitted step (one transfer in);
-    returns its packed outputs without waiting for them. ``uniform_decode``: every chunk is one
-    token (the step's variant for decode batches, ``StepInputs.max_query_len == 1``)."""
+  def _fail(self, request: Request, error: Exception) -> RequestOutput:
+    request.error = f"{type(error).__name__}: {error}"
+    self.scheduler.finish(request, RequestStatus.FINISHED, "error")
+    self._requests.pop(request.request_id, None)
+    return RequestOutput(request.request_id, [], [], True, "error")
+
+  def _launch(self, chunks, bucket: int, *, uniform_decode: bool):
+    """Lays the chunks out in ``bucket`` tokens and dispatches the jitted step (one transfer in).
+    ``uniform_decode``: every chunk is one token (the step's variant for decode batches,
+    ``StepInputs.max_query_len == 1``). Returns the packed outputs without waiting for them (None
+    when no chunk could be laid out), the chunks laid out, and ``(request, error)`` for the others,
+    whose tokens stay padding."""
     cfg = self.config
     k = cfg.num_speculative_tokens
     r = cfg.max_num_reqs
@@ -358,29 +394,17 @@ class LLMEngine:
     buf = packing.template.copy()
     v = packing.host_views(buf)
     at = 0
+    laid_out, failed = [], []
     for c in chunks:
-      req = c.request
-      ids = req.all_token_ids + req.spec_token_ids
-      end = c.start + c.num_tokens
-      known_ids = min(end, len(ids)) - c.start
-      v["input_ids"][at:at + known_ids] = ids[c.start:c.start + known_ids]
-      if known_ids < c.num_tokens:  # the token in flight: read on the device from the step before
-        v["prev_token_index"][at + known_ids] = req.in_flight_row * (1 + k)
-      v["positions"][at:at + c.num_tokens] = np.arange(c.start, end)
-      v["req_indices"][at:at + c.num_tokens] = req.row
-      known = max(min(end, len(req.all_token_ids) - 1) - c.start, 0)  # tokens whose successor is committed
-      v["next_ids"][at:at + known] = req.all_token_ids[c.start + 1:c.start + 1 + known]
-      v["state_slots"][req.row] = req.state_slot
+      try:
+        self._lay_out(v, at, c, k)
+        laid_out.append(c)
+      except (ValueError, TypeError, OverflowError) as err:
+        self._clear(packing, v, at, c)
+        failed.append((c.request, err))
       at += c.num_tokens
-      if c.samples:
-        d = c.num_drafts
-        v["sample_indices"][req.row, :d + 1] = np.arange(at - d - 1, at)
-        v["draft_ids"][req.row, :d] = req.spec_token_ids[:d]
-        v["num_drafts"][req.row] = d
-        v["temperature_f32"][req.row] = req.sampling.temperature
-        v["top_p_f32"][req.row] = req.sampling.top_p
-        v["seeds"][req.row] = req.sampling.seed
-        v["steps"][req.row] = len(req.output_token_ids) + req.num_in_flight
+    if chunks and not laid_out:
+      return None, [], failed
     for g, bt in enumerate(self.tables.block_tables):
       v[f"table{g}"][...] = bt.block_table
       v[f"count{g}"][...] = bt.num_blocks_per_row
@@ -389,11 +413,45 @@ class LLMEngine:
                                                         self.kernel_tables, packed, self._prev_out)
     self._prev_out = out
     if self._async:
-      for c in chunks:
+      for c in laid_out:
         if c.samples:
           c.request.num_in_flight += 1
           c.request.in_flight_row = c.request.row
-    return out
+    return out, laid_out, failed
+
+  @staticmethod
+  def _clear(packing: _PackedInputs, v, at: int, c) -> None:
+    """Back to padding: the chunk's tokens and its request's row fields."""
+    for name, (_, _, default) in packing.fields.items():
+      if name in _TOKEN_FIELDS:
+        v[name][at:at + c.num_tokens] = default
+      elif not name.startswith(("table", "count")):  # the block tables are the host's, whole
+        v[name][c.request.row] = default
+
+  @staticmethod
+  def _lay_out(v, at: int, c, k: int) -> None:
+    """One chunk's tokens from ``at`` and its request's row fields."""
+    req = c.request
+    ids = req.all_token_ids + req.spec_token_ids
+    end = c.start + c.num_tokens
+    known_ids = min(end, len(ids)) - c.start
+    v["input_ids"][at:at + known_ids] = ids[c.start:c.start + known_ids]
+    if known_ids < c.num_tokens:  # the token in flight: read on the device from the step before
+      v["prev_token_index"][at + known_ids] = req.in_flight_row * (1 + k)
+    v["positions"][at:at + c.num_tokens] = np.arange(c.start, end)
+    v["req_indices"][at:at + c.num_tokens] = req.row
+    known = max(min(end, len(req.all_token_ids) - 1) - c.start, 0)  # tokens whose successor is committed
+    v["next_ids"][at:at + known] = req.all_token_ids[c.start + 1:c.start + 1 + known]
+    v["state_slots"][req.row] = req.state_slot
+    if c.samples:
+      d, last = c.num_drafts, at + c.num_tokens
+      v["sample_indices"][req.row, :d + 1] = np.arange(last - d - 1, last)
+      v["draft_ids"][req.row, :d] = req.spec_token_ids[:d]
+      v["num_drafts"][req.row] = d
+      v["temperature_f32"][req.row] = req.sampling.temperature
+      v["top_p_f32"][req.row] = req.sampling.top_p
+      v["seeds"][req.row] = req.sampling.seed
+      v["steps"][req.row] = len(req.output_token_ids) + req.num_in_flight
 
   def _read_back(self, out: jax.Array) -> list[np.ndarray]:
     return _unpack_outputs(np.asarray(jax.device_get(out)), self._out_shapes)  # one transfer back
@@ -440,6 +498,7 @@ class LLMEngine:
           break
       if reason:
         self.scheduler.finish(req, RequestStatus.FINISHED, reason)
+        self._requests.pop(req.request_id, None)  # its last output goes out now: the id is free
       elif k:
         # No draft past the last token the request may emit (its verify step emits drafts + 1).
         room = req.sampling.max_new_tokens - len(req.output_token_ids) - 1
@@ -453,13 +512,16 @@ class LLMEngine:
     """Runs prompts to completion; returns the finished requests in prompt order."""
     prompts = list(prompts)
     params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+    if len(params) != len(prompts):
+      raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts.")
     base = next(self._arrivals)
-    reqs = [self.add_request(f"gen-{base}-{i}", p, s) for i, (p, s) in enumerate(zip(prompts, params))]
+    names = [f"gen-{base}-{i}" for i in range(len(prompts))]
+    for name, p, s in zip(names, prompts, params):  # every prompt checked before any is admitted
+      self._check_request(name, p, s)
+    reqs = [self.add_request(name, p, s) for name, p, s in zip(names, prompts, params)]
     while self.has_unfinished():
       outs = self.step()
       if progress is not None:
         progress(self, outs)
-    for r in reqs:
-      self._requests.pop(r.request_id, None)
     return reqs
 

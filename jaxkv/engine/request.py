@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
+
+import numpy as np
 
 __all__ = ["SamplingParams", "Request", "RequestStatus", "RequestOutput", "MAX_LOGPROBS"]
 
 MAX_LOGPROBS = 20
+
+
+def is_int(value) -> bool:
+  """A Python or NumPy integer, not a bool (``True`` is no token id)."""
+  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +40,13 @@ class SamplingParams:
   logprobs: int = 0
 
   def __post_init__(self):
+    for name in ("max_new_tokens", "seed", "logprobs"):
+      if not is_int(getattr(self, name)):
+        raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}.")
+    for name in ("temperature", "top_p"):
+      value = getattr(self, name)
+      if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)):
+        raise ValueError(f"{name} must be a finite number, got {value!r}.")
     if self.max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
     if self.temperature < 0:
@@ -40,6 +55,10 @@ class SamplingParams:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
     if not 0 <= self.logprobs <= MAX_LOGPROBS:
       raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.")
+    if not 0 <= self.seed < 2**31:  # the sampler keys with an int32 seed
+      raise ValueError(f"seed must be in [0, 2**31), got {self.seed}.")
+    if not isinstance(self.stop_token_ids, tuple) or not all(is_int(t) for t in self.stop_token_ids):
+      raise ValueError(f"stop_token_ids must be a tuple of integer token ids, got {self.stop_token_ids!r}.")
 
 
 class RequestStatus(enum.Enum):
@@ -72,6 +91,7 @@ class Request:
   # block-table row that step sampled it in (where the next step reads it on the device).
   num_in_flight: int = 0
   in_flight_row: int = -1
+  error: str | None = None  # why the request ended with finish reason "error"
 
   @property
   def all_token_ids(self) -> list[int]:

@@ -32,10 +32,12 @@ def sample(
     the token at the first mismatch, or after the last draft, is that argmax. Tokens are therefore
     those of plain greedy decoding, whatever the drafts.
   * otherwise, with ``p_i = softmax(logits_i / temperature)`` restricted to the top-p nucleus:
-    draft ``d`` is accepted with probability ``p_i(d)``; on rejection the token is drawn from
-    ``p_i`` without ``d`` (renormalized), and after all drafts from ``p_{S'}``. Each emitted token is
-    distributed exactly as ``p`` (speculative sampling, Leviathan et al. 2023). Token ``j`` of a row
-    uses the key ``fold_in(key(seed), steps + j)``, so draws never depend on the batch.
+    the token at ``i`` is drawn from ``p_i`` with the key ``fold_in(key(seed), steps + i)`` (its
+    output index), and draft ``i`` is accepted iff it equals that draw. For a point-mass proposal
+    this is speculative sampling (Leviathan et al. 2023) exactly: the draft is accepted with
+    probability ``p_i(d)``, and a rejection emits a draw from ``p_i`` without ``d``, renormalized.
+    Since the draw at an output index does not depend on the drafts, a seeded request's tokens
+    never depend on its batch, its drafts or a preemption that drops them.
 
   Args:
     logits: ``[R, S, V]``.
@@ -59,7 +61,7 @@ def sample(
   drafts = jnp.concatenate([draft_ids, jnp.zeros((r, 1), draft_ids.dtype)], axis=1).astype(jnp.int32)
 
   def sampled(_):
-    """Tokens and acceptances of the hot rows: the nucleus needs a sort of the vocabulary."""
+    """The hot rows' draws: the nucleus needs a sort of the vocabulary."""
     scaled = logits / jnp.where(hot, temperature, 1.0)[:, None, None]
     order = jnp.argsort(-scaled, axis=-1)
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
@@ -70,20 +72,11 @@ def sample(
     masked = jnp.where(keep, scaled, -jnp.inf)  # [R, S, V] log-weights of p_i
     keys = jax.vmap(lambda sd, st: jax.random.fold_in(jax.random.key(sd), st))(
         jnp.repeat(seeds, s), (steps[:, None] + idx).reshape(-1))  # [R * S]
-    p_draft = jnp.take_along_axis(jax.nn.softmax(masked, axis=-1), drafts[..., None], axis=-1)[..., 0]
-    u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys).reshape(r, s)
-    # At a rejected draft the token comes from p without the draft; after the drafts, from p.
-    residual = jnp.where(is_draft[..., None] & (jnp.arange(v) == drafts[..., None]), -jnp.inf, masked)
-    drawn = jax.vmap(jax.random.categorical)(keys, residual.reshape(r * s, v)).reshape(r, s)
-    return jnp.where(hot[:, None], drawn, greedy).astype(jnp.int32), jnp.where(hot[:, None], u < p_draft,
-                                                                               drafts == greedy)
-
-  def all_greedy(_):
-    return greedy.astype(jnp.int32), drafts == greedy
+    drawn = jax.vmap(jax.random.categorical)(keys, masked.reshape(r * s, v)).reshape(r, s)
+    return jnp.where(hot[:, None], drawn, greedy).astype(jnp.int32)
 
   # A batch without temperature skips the vocabulary sort and the draws (the common serving case).
-  tokens, accept = jax.lax.cond(jnp.any(hot), sampled, all_greedy, None)
-  accept = accept & is_draft
-  num_accepted = jnp.sum(jnp.cumprod(accept, axis=1), axis=1).astype(jnp.int32)
-  tokens = jnp.where(idx[None, :] < num_accepted[:, None], drafts, tokens)
+  tokens = jax.lax.cond(jnp.any(hot), sampled, lambda _: greedy.astype(jnp.int32), None)
+  # Drafts are accepted while they equal the tokens; the token after them is the next one.
+  num_accepted = jnp.sum(jnp.cumprod((drafts == tokens) & is_draft, axis=1), axis=1).astype(jnp.int32)
   return tokens.astype(jnp.int32), num_accepted, top_lp, top_ids.astype(jnp.int32)
