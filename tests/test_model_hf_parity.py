@@ -7,6 +7,8 @@ import shutil
 
 import jax
 import jax.numpy as jnp
+import hypothesis
+import hypothesis.strategies as st
 import numpy as np
 import pytest
 
@@ -97,3 +99,105 @@ def test_loader_reads_sharded_checkpoints_and_keeps_stored_dtype(tmp_path):
   ids = jnp.asarray([[5, 9, 200, 3, 3, 17, 8, 1, 2]])
   np.testing.assert_array_equal(sharded(ids), single(ids))
   assert sharded.layers[1].mlp.gate_weight[...].dtype == jnp.float32
+
+
+def _checkpoint_dir(tmp_path, name, tensors=None, config=None):
+  from safetensors.numpy import load_file, save_file
+
+  d = tmp_path / name
+  d.mkdir()
+  src = FIXTURES / "tiny"
+  (d / "config.json").write_text(json.dumps(config) if config is not None else (src / "config.json").read_text())
+  save_file(load_file(src / "model.safetensors") if tensors is None else tensors, str(d / "model.safetensors"))
+  return d
+
+
+def test_loader_refuses_what_it_cannot_load_safely(tmp_path):
+  from safetensors.numpy import load_file
+
+  # A shard outside the checkpoint directory is never opened.
+  outside = _checkpoint_dir(tmp_path, "base")
+  d = _checkpoint_dir(tmp_path, "evil")
+  (d / "model.safetensors").unlink()
+  (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": "../base/model.safetensors"}}))
+  with pytest.raises(ValueError, match="shard '../base/model.safetensors' is outside the checkpoint directory"):
+    load_checkpoint(d)
+  assert (outside / "model.safetensors").is_file()
+  # Corrupted files: a ValueError naming the file, not the library's own error.
+  for name, data in {"empty": b"", "truncated": (outside / "model.safetensors").read_bytes()[:100],
+                     "random": np.random.default_rng(0).bytes(4096)}.items():
+    bad = _checkpoint_dir(tmp_path, name)
+    (bad / "model.safetensors").write_bytes(data)
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a readable safetensors file"):
+      load_checkpoint(bad)
+  # Integer weights are not silently loaded as numbers.
+  tensors = load_file(FIXTURES / "tiny" / "model.safetensors")
+  tensors["model.language_model.norm.weight"] = np.ones(64, np.int32)
+  with pytest.raises(ValueError, match=r"not floating point: \['norm.weight: int32'\]"):
+    load_checkpoint(_checkpoint_dir(tmp_path, "ints", tensors))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_hidden_layers": None}, "num_hidden_layers must be an integer in \\[1, 1024\\], got None"),
+    ({"num_hidden_layers": 10**4}, "num_hidden_layers must be an integer in \\[1, 1024\\], got 10000"),
+    ({"index_kpool": 0}, "index_kpool must be an integer in \\[1, "),
+    ({"hidden_size": -4}, "hidden_size must be an integer"),
+    ({"n_routed_experts": 0}, "n_routed_experts must be an integer in \\[1, "),
+    ({"n_routed_experts": 10**7}, "n_routed_experts must be an integer in \\[1, 65536\\]"),
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok 9 exceeds n_routed_experts 8"),
+    ({"num_experts_per_tok": 0}, "num_experts_per_tok must be an integer"),
+    ({"index_topk": 0}, "index_topk must be an integer"),
+    ({"rms_norm_eps": -1}, "rms_norm_eps must be > 0"),
+    ({"rms_norm_eps": "1e-6"}, "rms_norm_eps must be a number, got '1e-6'"),
+    ({"norm_topk_prob": "false"}, "norm_topk_prob must be true or false, got 'false'"),
+])
+def test_config_values_are_checked_before_anything_is_built(change, message):
+  from models.glm5_next.config import Glm5NextConfig
+
+  cfg = json.loads((FIXTURES / "tiny" / "config.json").read_text())
+  text = cfg.get("text_config", cfg)
+  text.update(change)
+  with pytest.raises(ValueError, match=message):
+    Glm5NextConfig.from_hf_dict(cfg)
+
+
+@pytest.mark.parametrize("raw", [[], None, {"text_config": None}, {"text_config": []}, "glm5_next"])
+def test_config_that_is_not_an_object_is_refused(raw):
+  from models.glm5_next.config import Glm5NextConfig
+
+  with pytest.raises(ValueError, match="must be a JSON object"):
+    Glm5NextConfig.from_hf_dict(raw)
+
+
+_ANY_JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats() | st.text(max_size=5),
+                         lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
+                         max_leaves=5)
+
+
+@hypothesis.settings(max_examples=200, deadline=2000)
+@hypothesis.given(changes=st.dictionaries(st.sampled_from(sorted(json.loads(
+    (FIXTURES / "tiny" / "config.json").read_text())["text_config"])), _ANY_JSON, min_size=1, max_size=4))
+def test_config_parser_fuzz_ends_in_a_config_or_a_value_error(changes):
+  from models.glm5_next.config import Glm5NextConfig
+
+  cfg = json.loads((FIXTURES / "tiny" / "config.json").read_text())
+  cfg["text_config"].update(changes)
+  try:
+    Glm5NextConfig.from_hf_dict(cfg)
+  except ValueError:
+    pass
+
+
+@hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.given(flips=st.lists(st.tuples(st.integers(0, 10**9), st.integers(0, 255)), min_size=1, max_size=8))
+def test_corrupted_checkpoint_bytes_load_or_raise_a_value_error(tmp_path_factory, flips):
+  d = tmp_path_factory.mktemp("corrupt")
+  shutil.copy(FIXTURES / "tiny" / "config.json", d / "config.json")
+  data = bytearray((FIXTURES / "tiny" / "model.safetensors").read_bytes())
+  for at, byte in flips:
+    data[at % min(len(data), 4096)] = byte  # the header and the first tensors
+  (d / "model.safetensors").write_bytes(bytes(data))
+  try:
+    load_checkpoint(d)
+  except ValueError:
+    pass

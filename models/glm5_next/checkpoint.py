@@ -60,19 +60,32 @@ def read_safetensors(model_path: str | pathlib.Path) -> dict[str, np.ndarray]:
   """All tensors of ``model.safetensors`` or of the shards listed in ``model.safetensors.index.json``."""
   from safetensors import safe_open
 
+  from safetensors import SafetensorError
+
   root = pathlib.Path(model_path)
   index = root / "model.safetensors.index.json"
   if index.is_file():
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    try:
+      weight_map = json.loads(index.read_text())["weight_map"]
+      files = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+      raise ValueError(f"{index} is not a safetensors index (a JSON object with a 'weight_map'): {err}") from None
   elif (root / "model.safetensors").is_file():
     files = ["model.safetensors"]
   else:
     raise ValueError(f"no model.safetensors or model.safetensors.index.json in {root}.")
   out = {}
+  base = root.resolve()
   for f in files:
-    with safe_open(root / f, framework="flax") as fh:
-      for k in fh.keys():
-        out[k] = fh.get_tensor(k)
+    path = (root / str(f)).resolve()
+    if not isinstance(f, str) or base not in path.parents:  # shards live in the checkpoint directory
+      raise ValueError(f"{index}: shard {f!r} is outside the checkpoint directory {root}; refusing to read it.")
+    try:
+      with safe_open(path, framework="flax") as fh:
+        for k in fh.keys():
+          out[k] = fh.get_tensor(k)
+    except (SafetensorError, OSError) as err:
+      raise ValueError(f"{path} is not a readable safetensors file: {err}") from None
   return out
 
 
@@ -109,7 +122,7 @@ def load_checkpoint(model_path: str | pathlib.Path, *, dtype=None) -> tuple[Glm5
   graphdef, state = nnx.split(abstract)
   flat = nnx.to_flat_state(state)
   used: set[str] = set()
-  missing, misshaped = [], []
+  missing, misshaped, not_float = [], [], []
   leaves = []
   for path, var in flat:
     template = checkpoint_name(path, config.num_hidden_layers)
@@ -132,6 +145,8 @@ def load_checkpoint(model_path: str | pathlib.Path, *, dtype=None) -> tuple[Glm5
       used.add(template)
     if tuple(value.shape) != tuple(want):
       misshaped.append(f"{template}: checkpoint {list(value.shape)}, model {list(want)}")
+    if not jnp.issubdtype(value.dtype, jnp.floating):  # no quantization config is read: weights are floats
+      not_float.append(f"{template}: {value.dtype}")
     if dtype is not None:
       value = value.astype(dtype)
     leaves.append((path, var.replace(value)))
@@ -143,6 +158,8 @@ def load_checkpoint(model_path: str | pathlib.Path, *, dtype=None) -> tuple[Glm5
     problems.append(f"unknown tensors: {unknown[:10]}{' ...' if len(unknown) > 10 else ''} ({len(unknown)})")
   if misshaped:
     problems.append(f"mis-shaped tensors: {misshaped[:10]}")
+  if not_float:
+    problems.append(f"tensors that are not floating point: {not_float[:10]}")
   if problems:
     raise ValueError(f"checkpoint {model_path} does not match the glm5_next config: " + "; ".join(problems))
   model = nnx.merge(graphdef, nnx.from_flat_state(leaves))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 from typing import Any
 
@@ -61,6 +62,7 @@ class Glm5NextConfig:
   tie_word_embeddings: bool
 
   def __post_init__(self):
+    self._check_values()
     n = self.num_hidden_layers
     for name in ("layer_types", "mlp_layer_types", "indexer_types"):
       if len(getattr(self, name)) != n:
@@ -70,6 +72,30 @@ class Glm5NextConfig:
       raise ValueError(f"unknown layer_types {bad}; expected 'linear_attention' or 'indexed_attention'.")
     if self.index_topk % self.index_kpool:
       raise ValueError(f"index_topk {self.index_topk} must be a multiple of index_kpool {self.index_kpool}.")
+
+  def _check_values(self):
+    """Types and ranges of every field, before anything is sized from them (a ValueError naming the
+    field and the value)."""
+    counts = {"num_nextn_predict_layers": 0, "n_shared_experts": 0, "hc_sinkhorn_iters": 0, "pad_token_id": 0}
+    limits = {"num_hidden_layers": 1024, "n_routed_experts": 1 << 16, "num_experts_per_tok": 1 << 16}
+    for f in dataclasses.fields(self):
+      value = getattr(self, f.name)
+      if f.type == "int":
+        low = counts.get(f.name, 1)
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= limits.get(f.name, 1 << 24):
+          raise ValueError(f"config {f.name} must be an integer in [{low}, {limits.get(f.name, 1 << 24)}], "
+                           f"got {value!r}.")
+      elif f.type == "float":
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+          raise ValueError(f"config {f.name} must be a finite number, got {value!r}.")
+    for name in ("rms_norm_eps", "hc_eps"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"config {name} must be > 0, got {getattr(self, name)}.")
+    if self.num_experts_per_tok > self.n_routed_experts:
+      raise ValueError(f"config num_experts_per_tok {self.num_experts_per_tok} exceeds n_routed_experts "
+                       f"{self.n_routed_experts}.")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in self.eos_token_id):
+      raise ValueError(f"config eos_token_id must be token ids in [0, {self.vocab_size}), got {self.eos_token_id!r}.")
 
   @property
   def dsa_layers(self) -> tuple[int, ...]:
@@ -83,12 +109,18 @@ class Glm5NextConfig:
   def from_hf_dict(cls, cfg: dict[str, Any]) -> Glm5NextConfig:
     """From an HF ``config.json`` dict, flat or with ``text_config``; absent keys take HF's class
     defaults (``HF_DEFAULTS``, the one table of them)."""
-    if "text_config" in cfg:
+    if isinstance(cfg, dict) and "text_config" in cfg:
       cfg = cfg["text_config"]
+    if not isinstance(cfg, dict):
+      raise ValueError(f"a glm5_next config must be a JSON object (text_config included), got {type(cfg).__name__}.")
     model_type = cfg.get("model_type")
     if model_type not in _MODEL_TYPES:
       raise ValueError(f"model_type {model_type!r} is not a glm5_next config (expected one of {_MODEL_TYPES}).")
-    n = cfg["num_hidden_layers"]
+    n = cfg.get("num_hidden_layers")
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 1024:
+      raise ValueError(f"config num_hidden_layers must be an integer in [1, 1024], got {n!r}.")
+    if not isinstance(cfg.get("linear_attn_config") or {}, dict):
+      raise ValueError(f"config linear_attn_config must be a JSON object, got {cfg['linear_attn_config']!r}.")
     get = lambda key: cfg[key] if cfg.get(key) is not None else HF_DEFAULTS[key]  # noqa: E731
     lin = {**HF_DEFAULTS["linear_attn_config"], **(cfg.get("linear_attn_config") or {})}
     layer_types = cfg.get("layer_types") or ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(n)]
@@ -108,12 +140,25 @@ class Glm5NextConfig:
         linear_num_heads=lin["num_heads"],
         linear_head_dim=lin["head_dim"],
         linear_conv_kernel_dim=lin["short_conv_kernel_size"],
-        linear_gate_lower_bound=float(lin["gate_lower_bound"]),
+        linear_gate_lower_bound=_number("linear_attn_config.gate_lower_bound", lin["gate_lower_bound"]),
         eos_token_id=eos,
         **{k: get(k) for k in ints},
-        **{k: float(get(k)) for k in floats},
-        **{k: bool(get(k)) for k in bools},
+        **{k: _number(k, get(k)) for k in floats},
+        **{k: _flag(k, get(k)) for k in bools},
     )
+
+
+def _number(key: str, value) -> float:
+  """A JSON number as float (a string or a bool is not one)."""
+  if not isinstance(value, (int, float)) or isinstance(value, bool):
+    raise ValueError(f"config {key} must be a number, got {value!r}.")
+  return float(value)
+
+
+def _flag(key: str, value) -> bool:
+  if not isinstance(value, bool):
+    raise ValueError(f"config {key} must be true or false, got {value!r}.")
+  return value
 
 
 # HF ``Glm5NextConfig``'s class defaults: what an absent key means in a config.json.
