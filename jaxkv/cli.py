@@ -101,18 +101,30 @@ def _prompts(args, config) -> list[list[int]]:
       raise ValueError("--prompt needs the tokenizers package (pip install tokenizers), or pass --prompt-ids.") from e
     prompts = [Tokenizer.from_file(str(tok)).encode(args.prompt).ids]
   elif args.batch_file:
-    data = json.loads(pathlib.Path(args.batch_file).read_text())
-    if not isinstance(data, list) or not all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in data):
-      raise ValueError(f"{args.batch_file} must be a JSON list of token-id lists, e.g. [[1, 2, 3], [4, 5]].")
+    path = pathlib.Path(args.batch_file)
+    if not path.is_file():
+      raise ValueError(f"--batch-file {args.batch_file}: no such file.")
+    if args.batch is not None:
+      raise ValueError("--batch copies a single prompt; a --batch-file already lists every request.")
+    try:
+      data = json.loads(path.read_text())
+    except ValueError:
+      data = None
+    if not isinstance(data, list) or not data or not all(
+        isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in data):
+      raise ValueError(f"--batch-file {args.batch_file} must be a non-empty JSON list of non-empty token-id lists, "
+                       f"e.g. [[1, 2, 3], [4, 5]].")
     prompts = data
   else:
-    ids = args.prompt_ids or "1,2,3,4,5,6,7,8,9,10,11,12,13"
+    ids = "1,2,3,4,5,6,7,8,9,10,11,12,13" if args.prompt_ids is None else args.prompt_ids
     try:
       prompts = [[int(t) for t in ids.split(",") if t.strip()]]
     except ValueError as e:
       raise ValueError(f"--prompt-ids must be comma-separated integers, got {ids!r}.") from e
+    if not prompts[0]:
+      raise ValueError(f"--prompt-ids must name at least one token id, got {ids!r}.")
   if not args.batch_file:
-    prompts = prompts * args.batch
+    prompts = prompts * (args.batch or 1)
   return prompts
 
 
@@ -189,6 +201,17 @@ def cmd_bench(args) -> int:
   return 0
 
 
+def _positive(text: str) -> int:
+  """An integer >= 1, checked when the arguments are parsed (before any model is built)."""
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+  return value
+
+
 def _int_list(text: str) -> tuple[int, ...]:
   try:
     return tuple(int(x) for x in text.split(",") if x.strip())
@@ -205,8 +228,8 @@ def _add_engine_args(p):
   p.add_argument("--layout", choices=("dense", "packed"), default="packed")
   p.add_argument("--memory-gib", type=float, default=0.0625, help="KV-cache budget in GiB (default 64 MiB)")
   p.add_argument("--max-model-len", type=int, default=None)
-  p.add_argument("--max-num-reqs", type=int, default=8)
-  p.add_argument("--max-num-batched-tokens", type=int, default=64, help="token budget per step")
+  p.add_argument("--max-num-reqs", type=_positive, default=8)
+  p.add_argument("--max-num-batched-tokens", type=_positive, default=64, help="token budget per step")
   p.add_argument("--kv-cache-dtype", choices=("float32", "bfloat16", "fp8"), default="float32")
   p.add_argument("--indexer-cache-dtype", choices=("float32", "bfloat16", "fp8"), default="float32")
   p.add_argument("--implementation", choices=("xla", "pallas"), default="xla", help="kernels")
@@ -244,8 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
   src.add_argument("--prompt-ids", help="comma-separated token ids (default 1..13)")
   src.add_argument("--prompt", help="text, encoded with the checkpoint's tokenizer.json")
   src.add_argument("--batch-file", help="JSON list of token-id lists, one request each")
-  g.add_argument("--batch", type=int, default=1, help="copies of the prompt")
-  g.add_argument("--max-new-tokens", type=int, default=8)
+  g.add_argument("--batch", type=_positive, default=None, help="copies of the prompt (default 1)")
+  g.add_argument("--max-new-tokens", type=_positive, default=8)
   g.add_argument("--temperature", type=float, default=0.0)
   g.add_argument("--top-p", type=float, default=1.0)
   g.add_argument("--logprobs", type=int, default=0, help="top-k log-probabilities per token (up to 20)")
@@ -257,9 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
   b = sub.add_parser("bench", help="decode throughput, step latency percentiles and compile count",
                      description="Prefill a batch of random prompts, then time every decode step.")
   _add_engine_args(b)
-  b.add_argument("--batch", type=int, default=4)
-  b.add_argument("--context", type=int, default=64, help="prompt tokens per request")
-  b.add_argument("--steps", type=int, default=32, help="decode steps to time, every request decoding")
+  b.add_argument("--batch", type=_positive, default=4)
+  b.add_argument("--context", type=_positive, default=64, help="prompt tokens per request")
+  b.add_argument("--steps", type=_positive, default=32, help="decode steps to time, every request decoding")
   b.add_argument("--json", action="store_true")
   b.add_argument("--profile", metavar="DIR", default=None,
                  help="after the timed steps, trace 8 more with jax.profiler into DIR and print the heaviest kernels")

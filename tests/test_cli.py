@@ -55,3 +55,23 @@ def test_bench_json(capsys):
   out = json.loads(capsys.readouterr().out)
   assert out["decode_steps"] == 3 and out["decode_tokens"] == 6 and out["decode_tokens_per_s"] > 0
   assert out["compilations_at_end"] == out["compilations_after_warmup"]
+
+
+def test_argument_errors_name_the_flag_before_any_model_is_built(capsys, tmp_path):
+  import pytest
+
+  for argv, message in [(["bench", "--steps", "0"], "--steps: expected an integer >= 1, got 0"),
+                        (["bench", "--batch", "0"], "--batch: expected an integer >= 1, got 0"),
+                        (["bench", "--context", "0"], "--context: expected an integer >= 1, got 0"),
+                        (["generate", "--batch", "0"], "--batch: expected an integer >= 1, got 0")]:
+    with pytest.raises(SystemExit):
+      main(argv)
+    assert message in capsys.readouterr().err
+  empty = tmp_path / "empty.json"
+  empty.write_text("[]")
+  for argv, message in [(["generate", "--prompt-ids", ""], "--prompt-ids must name at least one token id"),
+                        (["generate", "--batch-file", str(tmp_path / "none.json")], "none.json: no such file"),
+                        (["generate", "--batch-file", str(empty)], "must be a non-empty JSON list"),
+                        (["generate", "--batch-file", str(empty), "--batch", "3"], "a --batch-file already lists")]:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
