@@ -77,7 +77,8 @@ def _engine(args, family, config, max_len: int):
   from jaxkv.engine import EngineConfig, LLMEngine
 
   if args.model_path:
-    runner = family.from_pretrained(args.model_path, dtype=args.dtype, implementation=args.implementation)
+    runner = family.from_pretrained(args.model_path, dtype=args.dtype, implementation=args.implementation,
+                                    check_weights=args.check_weights)
   else:
     runner = family.from_random(config, dtype=args.dtype, seed=args.seed, implementation=args.implementation)
   cache = dataclasses.replace(cache_config_from_args(args, config), max_model_len=max_len)
@@ -235,6 +236,8 @@ def _add_engine_args(p):
   p.add_argument("--implementation", choices=("xla", "pallas"), default="xla", help="kernels")
   p.add_argument("--num-spec", type=int, default=0,
                  help="MTP speculative tokens per step (0: off; the model needs its MTP layer)")
+  p.add_argument("--check-weights", action="store_true",
+                 help="refuse a checkpoint whose tensors hold NaN or infinite values (one pass over the weights)")
   p.add_argument("--buckets", type=_int_list, default=None,
                  help="step token counts to compile, e.g. 32,512 (default: powers of two up to the budget)")
 

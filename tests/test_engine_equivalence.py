@@ -190,7 +190,7 @@ def test_steady_decoding_does_not_compile():
 @pytest.mark.parametrize("name", ["tiny", "tiny-shared"])
 def test_engine_matches_hf_greedy(name):
   path = pathlib.Path(__file__).parent / "fixtures" / "hf" / name
-  _, hf_model = load_checkpoint(path, dtype=jax.numpy.float32)
+  _, hf_model = load_checkpoint(path, dtype=jax.numpy.float32, check_weights=True)
   expected = json.loads((path / "expected.json").read_text())
   engine = LLMEngine(Glm5NextRunner.from_model(hf_model), cfg())
   reqs = engine.generate(expected["prompts"], SamplingParams(max_new_tokens=len(expected["greedy"][0])))

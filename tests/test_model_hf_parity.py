@@ -26,7 +26,7 @@ def loaded(request):
   the logits at position n - 1 never see the filler after it.
   """
   path = FIXTURES / request.param
-  config, model = load_checkpoint(path, dtype=jnp.float32)
+  config, model = load_checkpoint(path, dtype=jnp.float32, check_weights=True)
   expected = json.loads((path / "expected.json").read_text())
   length = max(len(p) + len(g) for p, g in zip(expected["prompts"], expected["greedy"]))
   jitted = jax.jit(lambda ids: model(ids)[0])
@@ -135,6 +135,12 @@ def test_loader_refuses_what_it_cannot_load_safely(tmp_path):
   tensors["model.language_model.norm.weight"] = np.ones(64, np.int32)
   with pytest.raises(ValueError, match=r"not floating point: \['norm.weight: int32'\]"):
     load_checkpoint(_checkpoint_dir(tmp_path, "ints", tensors))
+  # NaN weights: refused with check_weights (jaxkv generate --check-weights).
+  tensors["model.language_model.norm.weight"] = np.full(64, np.nan, np.float32)
+  nan_dir = _checkpoint_dir(tmp_path, "nan", tensors)
+  with pytest.raises(ValueError, match=r"NaN or infinite values: \['norm.weight'\]"):
+    load_checkpoint(nan_dir, check_weights=True)
+  load_checkpoint(nan_dir)  # unchecked, it loads as stored
 
 
 @pytest.mark.parametrize("change, message", [

@@ -100,11 +100,13 @@ def _strip(name: str) -> str | None:
   return name
 
 
-def load_checkpoint(model_path: str | pathlib.Path, *, dtype=None) -> tuple[Glm5NextConfig, Glm5NextForCausalLM]:
+def load_checkpoint(model_path: str | pathlib.Path, *, dtype=None,
+                    check_weights: bool = False) -> tuple[Glm5NextConfig, Glm5NextForCausalLM]:
   """Config and model of an HF checkpoint directory.
 
   Args:
     dtype: cast every tensor to it (e.g. ``jnp.float32``); None keeps the stored dtypes.
+    check_weights: refuse tensors with NaN or infinite entries (one pass over the weights).
   """
   config = load_config(model_path)
   tensors = {}
@@ -122,7 +124,7 @@ def load_checkpoint(model_path: str | pathlib.Path, *, dtype=None) -> tuple[Glm5
   graphdef, state = nnx.split(abstract)
   flat = nnx.to_flat_state(state)
   used: set[str] = set()
-  missing, misshaped, not_float = [], [], []
+  missing, misshaped, not_float, not_finite = [], [], [], []
   leaves = []
   for path, var in flat:
     template = checkpoint_name(path, config.num_hidden_layers)
@@ -147,6 +149,8 @@ def load_checkpoint(model_path: str | pathlib.Path, *, dtype=None) -> tuple[Glm5
       misshaped.append(f"{template}: checkpoint {list(value.shape)}, model {list(want)}")
     if not jnp.issubdtype(value.dtype, jnp.floating):  # no quantization config is read: weights are floats
       not_float.append(f"{template}: {value.dtype}")
+    elif check_weights and not bool(jnp.isfinite(value).all()):
+      not_finite.append(template)
     if dtype is not None:
       value = value.astype(dtype)
     leaves.append((path, var.replace(value)))
@@ -160,6 +164,8 @@ def load_checkpoint(model_path: str | pathlib.Path, *, dtype=None) -> tuple[Glm5
     problems.append(f"mis-shaped tensors: {misshaped[:10]}")
   if not_float:
     problems.append(f"tensors that are not floating point: {not_float[:10]}")
+  if not_finite:
+    problems.append(f"tensors with NaN or infinite values: {not_finite[:10]}")
   if problems:
     raise ValueError(f"checkpoint {model_path} does not match the glm5_next config: " + "; ".join(problems))
   model = nnx.merge(graphdef, nnx.from_flat_state(leaves))

@@ -100,8 +100,9 @@ class _Family:
   get_kv_cache_layers = staticmethod(get_kv_cache_layers)
 
   @staticmethod
-  def from_pretrained(model_path: str, *, dtype: str = "bfloat16", implementation: str = "xla") -> Glm5NextRunner:
-    _, model = load_checkpoint(model_path, dtype=_DTYPES[dtype])
+  def from_pretrained(model_path: str, *, dtype: str = "bfloat16", implementation: str = "xla",
+                      check_weights: bool = False) -> Glm5NextRunner:
+    _, model = load_checkpoint(model_path, dtype=_DTYPES[dtype], check_weights=check_weights)
     return Glm5NextRunner.from_model(model, implementation=implementation)
 
   @staticmethod
