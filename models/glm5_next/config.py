@@ -67,9 +67,11 @@ class Glm5NextConfig:
     for name in ("layer_types", "mlp_layer_types", "indexer_types"):
       if len(getattr(self, name)) != n:
         raise ValueError(f"{name} has {len(getattr(self, name))} entries for {n} layers.")
-    bad = sorted(set(self.layer_types) - {"linear_attention", "indexed_attention"})
-    if bad:
-      raise ValueError(f"unknown layer_types {bad}; expected 'linear_attention' or 'indexed_attention'.")
+    for name, allowed in (("layer_types", {"linear_attention", "indexed_attention"}),
+                          ("mlp_layer_types", {"dense", "sparse"}), ("indexer_types", {"full", "shared"})):
+      bad = sorted(set(getattr(self, name)) - allowed)
+      if bad:
+        raise ValueError(f"unknown {name} {bad}; expected one of {sorted(allowed)}.")
     if self.index_topk % self.index_kpool:
       raise ValueError(f"index_topk {self.index_topk} must be a multiple of index_kpool {self.index_kpool}.")
 
@@ -123,7 +125,7 @@ class Glm5NextConfig:
       raise ValueError(f"config linear_attn_config must be a JSON object, got {cfg['linear_attn_config']!r}.")
     get = lambda key: cfg[key] if cfg.get(key) is not None else HF_DEFAULTS[key]  # noqa: E731
     lin = {**HF_DEFAULTS["linear_attn_config"], **(cfg.get("linear_attn_config") or {})}
-    layer_types = cfg.get("layer_types") or ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(n)]
+    layer_types = _names(cfg, "layer_types", ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(n)])
     eos = cfg.get("eos_token_id")
     eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
     ints = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "n_routed_experts",
@@ -135,8 +137,8 @@ class Glm5NextConfig:
     return cls(
         num_hidden_layers=n,
         layer_types=tuple(_ATTN_ALIASES.get(t, t) for t in layer_types),
-        mlp_layer_types=tuple(cfg.get("mlp_layer_types") or ["dense"] * 3 + ["sparse"] * (n - 3)),
-        indexer_types=tuple(cfg.get("indexer_types") or ["full"] * n),
+        mlp_layer_types=tuple(_names(cfg, "mlp_layer_types", ["dense"] * 3 + ["sparse"] * (n - 3))),
+        indexer_types=tuple(_names(cfg, "indexer_types", ["full"] * n)),
         linear_num_heads=lin["num_heads"],
         linear_head_dim=lin["head_dim"],
         linear_conv_kernel_dim=lin["short_conv_kernel_size"],
@@ -146,6 +148,14 @@ class Glm5NextConfig:
         **{k: _number(k, get(k)) for k in floats},
         **{k: _flag(k, get(k)) for k in bools},
     )
+
+
+def _names(cfg: dict, key: str, default: list[str]) -> list[str]:
+  """A JSON list of strings (absent or empty: ``default``)."""
+  value = cfg.get(key) or default
+  if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+    raise ValueError(f"config {key} must be a list of strings, got {value!r}.")
+  return value
 
 
 def _number(key: str, value) -> float:
