@@ -32,17 +32,18 @@ def _with_flags(message: str) -> str:
   return _FLAG_RE.sub(lambda m: _FLAGS[m.group(1)], message)
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, default: str) -> None:
   src = p.add_mutually_exclusive_group()
-  src.add_argument("--config", default=None, help="built-in config name (default: glm-5.3-flash)")
+  names = ", ".join(get_model_family().builtin_config_names)
+  src.add_argument("--config", default=default, help=f"built-in config: {names} (default {default})")
   src.add_argument("--model-path", default=None, help="HF checkpoint directory with a glm5_next config.json")
 
 
-def _model_config(args, default: str):
+def _model_config(args):
   family = get_model_family()
   if args.model_path:
     return family, family.load_config(args.model_path)
-  return family, family.builtin_config(args.config or default)
+  return family, family.builtin_config(args.config)
 
 
 def cache_config_from_args(args, config) -> CacheConfig:
@@ -55,7 +56,7 @@ def cache_config_from_args(args, config) -> CacheConfig:
 
 
 def plan_from_args(args):
-  family, config = _model_config(args, "glm-5.3-flash")
+  family, config = _model_config(args)
   cache = cache_config_from_args(args, config)
   return family, config, cache, plan_kv_cache(family.get_kv_cache_layers(config, cache), cache)
 
@@ -132,7 +133,7 @@ def _prompts(args, config) -> list[list[int]]:
 def cmd_generate(args) -> int:
   from jaxkv.engine import SamplingParams
 
-  family, config = _model_config(args, "glm-5.3-flash-tiny")
+  family, config = _model_config(args)
   prompts = _prompts(args, config)
   max_len = args.max_model_len or min(config.max_position_embeddings,
                                       max(len(p) for p in prompts) + args.max_new_tokens)
@@ -174,7 +175,7 @@ def cmd_bench(args) -> int:
 
   from jaxkv.engine.benchmark import benchmark_decode
 
-  family, config = _model_config(args, "glm-5.3-flash-tiny")
+  family, config = _model_config(args)
   rng = np.random.default_rng(args.seed)
   prompts = [list(rng.integers(1, config.vocab_size, args.context)) for _ in range(args.batch)]
   # Requests prefilled early decode while later ones prefill: leave them room for that, so every
@@ -183,7 +184,7 @@ def cmd_bench(args) -> int:
   prefill_steps = cdiv(args.batch * args.context, args.max_num_batched_tokens) + 1
   new_tokens = (prefill_steps + args.steps + profile_steps) * (1 + args.num_spec) + 1
   engine = _engine(args, family, config, args.context + new_tokens)
-  result = {"config": args.config or ("checkpoint" if args.model_path else "glm-5.3-flash-tiny"),
+  result = {"config": "checkpoint" if args.model_path else args.config,
             **benchmark_decode(engine, prompts, steps=args.steps, new_tokens=new_tokens, profile_dir=args.profile,
                                profile_steps=profile_steps),
             "implementation": args.implementation, "layout": args.layout, "block_size": args.block_size,
@@ -221,7 +222,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def _add_engine_args(p):
-  _add_model_args(p)
+  _add_model_args(p, "glm-5.3-flash-tiny")
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights and state dtype")
   p.add_argument("--seed", type=int, default=0, help="random weights and sampling seed")
   p.add_argument("--block-size", type=int, default=256)
@@ -248,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
   p = sub.add_parser("inspect", help="print the KV-cache plan of a model",
                      description="Plan the KV cache of a glm5_next model: groups, specs, page bytes, manager and "
                                  "kernel block sizes, strides, alignments, bytes per block, number of blocks.")
-  _add_model_args(p)
+  _add_model_args(p, "glm-5.3-flash")
   p.add_argument("--block-size", type=int, default=1024, help="manager block size in tokens (default 1024)")
   p.add_argument("--kernel-block-size", type=int, default=None, help="split token caches into kernel blocks of this size")
   p.add_argument("--memory-gib", type=float, default=80.0, help="KV-cache memory budget in GiB (default 80)")

@@ -75,3 +75,14 @@ def test_argument_errors_name_the_flag_before_any_model_is_built(capsys, tmp_pat
                         (["generate", "--batch-file", str(empty), "--batch", "3"], "a --batch-file already lists")]:
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_help_lists_the_built_in_configs_and_each_command_s_default(capsys):
+  import pytest
+
+  for command, default in (("inspect", "glm-5.3-flash"), ("generate", "glm-5.3-flash-tiny"),
+                           ("bench", "glm-5.3-flash-tiny")):
+    with pytest.raises(SystemExit):
+      main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"(default {default})" in text and "glm-5.3-flash-slice4" in text, command

@@ -17,7 +17,7 @@ from flax import nnx
 from jaxkv.kv_cache_config import CacheConfig, KVCacheConfig
 from jaxkv.step_inputs import StepInputs
 from models.glm5_next.checkpoint import load_checkpoint
-from models.glm5_next.config import Glm5NextConfig, get_config, load_config
+from models.glm5_next.config import BUILTIN_CONFIGS, Glm5NextConfig, get_config, load_config
 from models.glm5_next.kv_cache import get_kv_cache_layers
 from models.glm5_next.model import Glm5NextForCausalLM
 from models.glm5_next.paged import PagedLayout, paged_hidden_states, paged_mtp_forward
@@ -97,6 +97,7 @@ class _Family:
 
   load_config = staticmethod(load_config)
   builtin_config = staticmethod(get_config)
+  builtin_config_names = tuple(BUILTIN_CONFIGS)
   get_kv_cache_layers = staticmethod(get_kv_cache_layers)
 
   @staticmethod
