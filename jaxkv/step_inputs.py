@@ -26,9 +26,6 @@ class StepInputs:
       (``AttentionGroup.map_to_kernel_block_table``), or None where the group has no split.
     state_slots: int32 ``[max_num_reqs]``: the linear-attention state slot each request
       continues from (the last, ``num_speculative_tokens``, unless drafts were rejected).
-    max_query_len: static; when nonzero, no request has more than this many tokens in the step
-      (vLLM's uniform decode batch: ``1 + num_speculative_tokens``), so recurrent layers advance
-      every request at once, ``max_query_len`` times, instead of token by token. 0: any.
   """
 
   input_ids: Int[Array, "T"]
@@ -38,4 +35,3 @@ class StepInputs:
   num_blocks: tuple[Int[Array, "R"], ...]
   kernel_block_tables: tuple[Int[Array, "R Wk"] | None, ...]
   state_slots: Int[Array, "R"]
-  max_query_len: int = dataclasses.field(default=0, metadata=dict(static=True))

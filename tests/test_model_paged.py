@@ -2,7 +2,6 @@
 forward: whole prefill = chunked prefill split mid-pool = token-by-token decode, several requests
 per step, dense and packed layouts, XLA and Pallas (interpret) kernels."""
 
-import dataclasses
 import functools
 
 import jax
@@ -57,8 +56,7 @@ class Runner:
                    for t in self.plan.tensors}
     self.step_fn = step_function(model, self.layout, implementation)
 
-  def run(self, ids, steps, max_query_len=0):
-    """``max_query_len``: mark steps whose chunks all fit it as uniform decode steps."""
+  def run(self, ids, steps):
     out = {r: {} for r in range(len(ids))}
     for chunks in steps:
       tok, pos, req = [], [], []
@@ -69,8 +67,6 @@ class Runner:
       pad = NUM_TOKENS - len(tok)
       inp = step_inputs(self.plan, self.tables, tok + [0] * pad, pos + [0] * pad, req + [-1] * pad,
                         jnp.zeros(len(ids), jnp.int32))
-      if max_query_len and all(n <= max_query_len for _, _, n in chunks):
-        inp = dataclasses.replace(inp, max_query_len=max_query_len)
       logits, self.caches = self.step_fn(self.caches, inp)
       logits = np.asarray(logits)
       for i, (r, p) in enumerate(zip(req, pos)):
@@ -115,36 +111,6 @@ def test_requests_of_different_lengths_share_steps(model):
   got = runner.run(ids, steps)
   for r, n in enumerate(lengths):
     np.testing.assert_allclose(got[r], reference(model, ids[r]), atol=5e-5, rtol=0)
-
-
-@pytest.mark.parametrize("max_query_len", [1, 3])
-def test_uniform_decode_steps_equal_the_token_by_token_scan(model, max_query_len):
-  """A uniform decode step advances KDA for every request at once: the logits and caches (poison
-  included) of the token-by-token scan, within 5e-6; rows in any order, padding after."""
-  rng = np.random.default_rng(5)
-  lengths = [25, 24, 23]
-  ids = [list(rng.integers(1, 256, n)) for n in lengths]
-  steps = [[(0, 0, 12), (1, 0, 10), (2, 0, 9)]]
-  at = [12, 10, 9]
-  for i in range(4):
-    chunks = []
-    for r in ((2, 0, 1), (1, 2), (0, 1, 2), (2, 1, 0))[i]:
-      n = 1 + (r + i) % max_query_len
-      chunks.append((r, at[r], n))
-      at[r] += n
-    steps.append(chunks)
-  scan = Runner(model, "packed", lengths, seed=6)
-  want = scan.run(ids, steps)
-  uniform = Runner(model, "packed", lengths, seed=6)
-  got = uniform.run(ids, steps, max_query_len=max_query_len)
-  # Batched over requests, XLA may round the recurrence's contractions differently from the
-  # one-token scan (measured on the CPU: <= 8.4e-7 in logits at one token per request).
-  for r in want:
-    np.testing.assert_allclose(got[r], want[r], atol=5e-6, rtol=0)
-  for name in scan.caches:
-    a, b = np.asarray(uniform.caches[name]), np.asarray(scan.caches[name])
-    np.testing.assert_allclose(a.view(np.float32), b.view(np.float32), atol=5e-6, equal_nan=True)
-    np.testing.assert_array_equal(np.isnan(a.view(np.float32)), np.isnan(b.view(np.float32)))
 
 
 def test_pallas_kernels_agree_with_reference(model):

@@ -119,3 +119,13 @@ def test_grouped_moe_equals_every_expert_weighted(model):
   h = jax.nn.silu(jnp.minimum(g, moe.limit)) * jnp.clip(u, -moe.limit, moe.limit) * w[..., None]
   want = jnp.einsum("btei,eid->btd", h, moe.experts_down[...], precision=hp) + moe.shared_experts(x)
   np.testing.assert_allclose(moe(x), want, atol=1e-5, rtol=1e-5)
+
+
+def test_moe_combines_without_a_float_scatter_add(model):
+  """Duplicate-index float scatter-adds sum in atomic order on a GPU (different every run): the MoE
+  unsorts by a gather and sums each token's experts in slot order instead."""
+  moe = model.layers[1].mlp
+  x = jnp.ones((1, 5, CFG.hidden_size), jnp.float32)
+  eqns = [str(e) for e in jax.make_jaxpr(moe)(x).eqns]
+  assert any("scatter" in e for e in eqns)  # the unsort is an integer scatter
+  assert not [e for e in eqns if "scatter-add" in e and "f32[" in e.split("=")[0]]

@@ -240,3 +240,23 @@ def test_seeded_sampling_with_accepted_drafts_survives_preemption():
   got = engine.generate(long_prompts, sampling)
   assert engine.scheduler.num_preemptions > 0 and engine.num_accepted_tokens > 0
   assert [r.output_token_ids for r in got] == [r.output_token_ids for r in plain]
+
+
+def test_top_p_draws_follow_the_sorted_nucleus():
+  """The sort-free nucleus keeps exactly the tokens a vocabulary sort keeps (those whose more
+  probable tokens hold less than top_p), and draws follow p renormalized over them (4,000 draws)."""
+  rng = np.random.default_rng(12)
+  n, v = 4000, 40
+  base = jnp.asarray(rng.normal(size=v) * 1.5, jnp.float32)
+  p = np.asarray(jax.nn.softmax(base))
+  for top_p in (0.3, 0.8, 1.0):
+    order = np.argsort(-p, kind="stable")
+    nucleus = np.zeros(v, bool)
+    nucleus[order] = (np.cumsum(p[order]) - p[order]) < top_p
+    tokens, _, _, _ = _sample(jnp.broadcast_to(base, (n, 1, v)), jnp.zeros((n, 0), jnp.int32), jnp.zeros(n, jnp.int32),
+                              1.0, top_p)
+    first = np.asarray(tokens)[:, 0]
+    assert nucleus[first].all(), top_p
+    q = np.where(nucleus, p, 0) / p[nucleus].sum()
+    freq = np.bincount(first, minlength=v) / n
+    assert np.all(np.abs(freq - q) < 4 * np.sqrt(q * (1 - q) / n) + 1e-9), (top_p, freq, q)

@@ -93,7 +93,6 @@ class _PackedInputs:
   num_reqs: int
   widths: tuple[int, ...]
   num_drafts: int
-  max_query_len: int = 0  # StepInputs.max_query_len: 1 for uniform decode steps, else 0
 
   @functools.cached_property
   def fields(self) -> dict[str, tuple[int, tuple[int, ...], int]]:
@@ -190,8 +189,7 @@ def _device_step(statics: _StepStatics, packing: _PackedInputs, param_leaves, ca
   src = v["prev_token_index"]
   input_ids = jnp.where(src >= 0, prev_out[jnp.maximum(src, 0)], v["input_ids"])
   inputs = StepInputs(input_ids, v["positions"], v["req_indices"], tuple(v[f"table{g}"] for g in groups),
-                      tuple(v[f"count{g}"] for g in groups), (None,) * len(kernel_tables), v["state_slots"],
-                      packing.max_query_len)
+                      tuple(v[f"count{g}"] for g in groups), (None,) * len(kernel_tables), v["state_slots"])
   params = jax.tree.unflatten(statics.params_treedef, param_leaves)
   out, caches, kernel_tables = _step(statics, params, caches, kernel_tables, inputs, v["sample_indices"], v["next_ids"],
                                      v["draft_ids"], v["num_drafts"], v["temperature_f32"], v["top_p_f32"], v["seeds"],
@@ -270,11 +268,6 @@ class LLMEngine:
     self._out_shapes = [((r, s), np.int32), ((r,), np.int32), ((r, s, top), np.float32), ((r, s, top), np.int32),
                         ((r, k), np.int32)]
     self._async = config.async_scheduling and k == 0
-    # Decode steps of one token per request advance KDA for all requests at once (docs/engine.md:
-    # within 8.4e-7 of the token-by-token scan in logits; the equivalence suite stays bitwise).
-    # Verify steps of 1 + k tokens keep the scan: unrolled over k, the recurrence rounded 1.7e-6
-    # apart in log-probabilities, past the speculative suite's stated tolerance.
-    self._uniform_decode = k == 0
     # The step in flight (async scheduling): its chunks and its packed outputs, not yet read back.
     self._in_flight: tuple[list, jax.Array] | None = None
     self._prev_out = jnp.zeros(sum(math.prod(shape) for shape, _ in self._out_shapes), jnp.int32)
@@ -344,12 +337,8 @@ class LLMEngine:
     """Compiles the step for every token bucket before serving (vLLM captures its CUDA graphs at
     start-up): one step of padding tokens per bucket, which writes nothing. Returns
     ``num_compilations``."""
-    buckets = self.config.token_buckets
-    last_decode_bucket = next((b for b in buckets if b >= self.config.max_num_reqs), buckets[-1])
-    for bucket in buckets:
-      self._read_back(self._launch([], bucket, uniform_decode=False)[0])
-      if self._uniform_decode and bucket <= last_decode_bucket:  # a decode batch can land here
-        self._read_back(self._launch([], bucket, uniform_decode=True)[0])
+    for bucket in self.config.token_buckets:
+      self._read_back(self._launch([], bucket)[0])
     return self.num_compilations
 
   def step(self) -> list[RequestOutput]:
@@ -363,9 +352,7 @@ class LLMEngine:
       out, failed = None, []
       if chunks:
         n = sum(c.num_tokens for c in chunks)
-        uniform = self._uniform_decode and all(c.num_tokens == 1 for c in chunks)
-        out, chunks, failed = self._launch(chunks, next(b for b in self.config.token_buckets if b >= n),
-                                           uniform_decode=uniform)
+        out, chunks, failed = self._launch(chunks, next(b for b in self.config.token_buckets if b >= n))
         self.num_steps += out is not None
       errors = [self._fail(req, err) for req, err in failed]
       if not self._async:
@@ -379,19 +366,16 @@ class LLMEngine:
     self._requests.pop(request.request_id, None)
     return RequestOutput(request.request_id, [], [], True, "error")
 
-  def _launch(self, chunks, bucket: int, *, uniform_decode: bool):
+  def _launch(self, chunks, bucket: int):
     """Lays the chunks out in ``bucket`` tokens and dispatches the jitted step (one transfer in).
-    ``uniform_decode``: every chunk is one token (the step's variant for decode batches,
-    ``StepInputs.max_query_len == 1``). Returns the packed outputs without waiting for them (None
-    when no chunk could be laid out), the chunks laid out, and ``(request, error)`` for the others,
-    whose tokens stay padding."""
+    Returns the packed outputs without waiting for them (None when no chunk could be laid out),
+    the chunks laid out, and ``(request, error)`` for the others, whose tokens stay padding."""
     cfg = self.config
     k = cfg.num_speculative_tokens
     r = cfg.max_num_reqs
-    packing = self._packings.get((bucket, uniform_decode))
+    packing = self._packings.get(bucket)
     if packing is None:
-      packing = self._packings[bucket, uniform_decode] = _PackedInputs(
-          bucket, r, tuple(bt.width for bt in self.tables.block_tables), k, int(uniform_decode))
+      packing = self._packings[bucket] = _PackedInputs(bucket, r, tuple(bt.width for bt in self.tables.block_tables), k)
     buf = packing.template.copy()
     v = packing.host_views(buf)
     at = 0

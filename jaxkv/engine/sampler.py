@@ -31,7 +31,9 @@ def sample(
   * ``temperature == 0``: draft ``i`` is accepted iff it is the argmax (lowest id on ties) at ``i``;
     the token at the first mismatch, or after the last draft, is that argmax. Tokens are therefore
     those of plain greedy decoding, whatever the drafts.
-  * otherwise, with ``p_i = softmax(logits_i / temperature)`` restricted to the top-p nucleus:
+  * otherwise, with ``p_i = softmax(logits_i / temperature)`` restricted to the top-p nucleus (the
+    tokens whose more probable tokens hold less than ``top_p`` of the mass; equal probabilities
+    are kept or dropped together):
     the token at ``i`` is drawn from ``p_i`` with the key ``fold_in(key(seed), steps + i)`` (its
     output index), and draft ``i`` is accepted iff it equals that draw. For a point-mass proposal
     this is speculative sampling (Leviathan et al. 2023) exactly: the draft is accepted with
@@ -60,23 +62,36 @@ def sample(
   is_draft = idx[None, :] < num_drafts[:, None]  # [R, S]: position i verifies draft i
   drafts = jnp.concatenate([draft_ids, jnp.zeros((r, 1), draft_ids.dtype)], axis=1).astype(jnp.int32)
 
-  def sampled(_):
-    """The hot rows' draws: the nucleus needs a sort of the vocabulary."""
-    scaled = logits / jnp.where(hot, temperature, 1.0)[:, None, None]
-    order = jnp.argsort(-scaled, axis=-1)
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    # Keep a token if the mass before it is < top_p (the first token is always kept).
-    keep_sorted = (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None, None]
-    keep = jnp.put_along_axis(jnp.zeros_like(keep_sorted), order, keep_sorted, axis=-1, inplace=False)
-    masked = jnp.where(keep, scaled, -jnp.inf)  # [R, S, V] log-weights of p_i
-    keys = jax.vmap(lambda sd, st: jax.random.fold_in(jax.random.key(sd), st))(
-        jnp.repeat(seeds, s), (steps[:, None] + idx).reshape(-1))  # [R * S]
-    drawn = jax.vmap(jax.random.categorical)(keys, masked.reshape(r * s, v)).reshape(r, s)
-    return jnp.where(hot[:, None], drawn, greedy).astype(jnp.int32)
-
-  # A batch without temperature skips the vocabulary sort and the draws (the common serving case).
-  tokens = jax.lax.cond(jnp.any(hot), sampled, lambda _: greedy.astype(jnp.int32), None)
+  # One executable for every batch, greedy or not, and no device-to-host sync inside the step:
+  # a ``lax.cond`` on "any row samples" reads its predicate on the host (XLA's GPU conditional),
+  # which stopped the host from dispatching a step ahead. The nucleus is found without a sort.
+  scaled = logits / jnp.where(hot, temperature, 1.0)[:, None, None]
+  probs = jax.nn.softmax(scaled, axis=-1)
+  masked = jnp.where(probs >= _nucleus_floor(probs, top_p[:, None, None]), scaled, -jnp.inf)  # log-weights of p_i
+  keys = jax.vmap(lambda sd, st: jax.random.fold_in(jax.random.key(sd), st))(
+      jnp.repeat(seeds, s), (steps[:, None] + idx).reshape(-1))  # [R * S]
+  drawn = jax.vmap(jax.random.categorical)(keys, masked.reshape(r * s, v)).reshape(r, s)
+  tokens = jnp.where(hot[:, None], drawn, greedy).astype(jnp.int32)
   # Drafts are accepted while they equal the tokens; the token after them is the next one.
   num_accepted = jnp.sum(jnp.cumprod((drafts == tokens) & is_draft, axis=1), axis=1).astype(jnp.int32)
   return tokens.astype(jnp.int32), num_accepted, top_lp, top_ids.astype(jnp.int32)
+
+
+_ONE_BITS = 0x3F800000  # float32 1.0: [0, 1] spans fewer than 2**30 float32 bit patterns
+
+
+def _nucleus_floor(probs: Float[Array, "... V"], top_p: Float[Array, "... 1"]) -> Float[Array, "... 1"]:
+  """The least probability the top-p nucleus keeps: token ``i`` is kept iff ``probs[i] >= floor``,
+  i.e. iff the tokens strictly more probable than it hold less than ``top_p`` of the mass.
+
+  Bisection on the float32 bit patterns of ``[0, 1]`` (monotone for non-negative floats): 30
+  halvings, each one masked sum over the vocabulary, in place of a sort of it.
+  """
+  lo = jnp.zeros(top_p.shape, jnp.int32)
+  hi = jnp.full(top_p.shape, _ONE_BITS, jnp.int32)  # invariant: mass above f(hi) < top_p
+  for _ in range(30):
+    mid = lo + (hi - lo) // 2
+    x = jax.lax.bitcast_convert_type(mid, jnp.float32)
+    inside = jnp.sum(jnp.where(probs > x, probs, 0.0), axis=-1, keepdims=True) < top_p
+    hi, lo = jnp.where(inside, mid, hi), jnp.where(inside, lo, mid)
+  return jax.lax.bitcast_convert_type(hi, jnp.float32)

@@ -22,6 +22,7 @@ from jaxtyping import Array, Float, Int
 
 from models.glm5_next.config import Glm5NextConfig
 from pallas_kernels.grouped_matmul import grouped_matmul
+from pallas_kernels.kda_recurrence import delta_rule_step
 from pallas_kernels.kpool import combine_pool
 from pallas_kernels.topk_selection import select_topk_tokens
 
@@ -187,8 +188,11 @@ class MoE(nnx.Module):
     up = grouped_matmul(xs, self.experts_up[...], sizes, precision=_HP)
     h = _swiglu_clamped(gate, up, self.limit)
     out = grouped_matmul(h, self.experts_down[...], sizes, precision=_HP)
-    out = out * w.reshape(-1)[order][:, None].astype(x.dtype)
-    routed = jnp.zeros_like(flat).at[token].add(out)
+    # Back to token order by a gather, then each token's k outputs summed in slot order: a
+    # scatter-add of duplicate rows would sum in the GPU's atomic order, different every run.
+    rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    out = out[rank].reshape(-1, self.top_k, d).astype(jnp.float32)
+    routed = jnp.sum(out * w.reshape(-1, self.top_k, 1), axis=1).astype(x.dtype)
     return routed.reshape(*lead, d) + self.shared_experts(x)
 
 
@@ -212,15 +216,6 @@ def kda_recurrent(q, k, v, g, beta, state):
   xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
   state, o = jax.lax.scan(step, state, xs)
   return jnp.moveaxis(o, 0, 1), state
-
-
-def delta_rule_step(s, q, k, v, g, beta):
-  """One token of the delta rule for any leading dims: ``s [..., K, V]``, ``q, k, g [..., K]``,
-  ``v [..., V]``, ``beta [...]`` -> ``(s, o [..., V])``."""
-  s = s * jnp.exp(g)[..., None]
-  u = beta[..., None] * (v - jnp.einsum("...kv,...k->...v", s, k, precision=_HP))
-  s = s + k[..., None] * u[..., None, :]
-  return s, jnp.einsum("...kv,...k->...v", s, q, precision=_HP)
 
 
 def kda_chunked(q, k, v, g, beta, state, chunk_size: int = 64):

@@ -33,8 +33,9 @@ from jaxkv.kernel_view import KernelView
 from jaxkv.kv_cache_config import KVCacheConfig
 from jaxkv.slot_mapping import compute_circular_slot_mapping, compute_compressed_slot_mapping, compute_slot_mapping
 from jaxkv.step_inputs import StepInputs
-from models.glm5_next.model import Glm5NextForCausalLM, KimiDeltaAttention, delta_rule_step
+from models.glm5_next.model import Glm5NextForCausalLM, KimiDeltaAttention
 from pallas_kernels.cache_write import encode_entries, write_to_paged_cache
+from pallas_kernels.kda_recurrence import fused_recurrent_kda, resolve_kda_implementation
 from pallas_kernels.kpool import kpool_compress_and_write
 from pallas_kernels.paged_mqa_logits import paged_mqa_logits
 from pallas_kernels.sparse_mla_decode import sparse_mla_decode
@@ -66,12 +67,20 @@ class PagedLayout:
     raise KeyError(f"no cache {name!r} in the plan")
 
 
-def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, state_dtype: str):
+def kda_implementation(implementation: str) -> str:
+  """The KDA recurrence's path for the runner's kernel switch: the Pallas kernel whenever on a GPU
+  (it is what keeps a token's arithmetic independent of the batch, pallas_kernels/kda_recurrence.py),
+  the XLA scan on the CPU unless ``"pallas"`` asks for the kernel (interpret mode)."""
+  return resolve_kda_implementation("pallas" if implementation == "pallas" else "auto")
+
+
+def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, state_dtype: str, implementation: str):
   """KDA over the flat batch on each request's state slots (its row of the layer's state group).
 
   A request owns ``S = 1 + num_speculative_tokens`` slots. The step continues from slot
-  ``inputs.state_slots[r]``, advances token by token (in a uniform decode step, every request at
-  once, ``inputs.max_query_len`` times), and writes the state after each of the
+  ``inputs.state_slots[r]``, advances token by token (``fused_recurrent_kda``: the conv windows
+  are gathered for every token at once, the delta rule runs per request), and writes the state
+  after each of the
   request's last ``S`` tokens in the step to slots ``0 .. S-1`` in order (the last token's to slot
   ``S-1``). After a verify step whose last ``n`` drafts were rejected, the state after the last
   accepted token is in slot ``S-1-n``: the host passes that slot next step, which is the rollback.
@@ -110,35 +119,21 @@ def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, state_dtype
 
   mixed = attn.project(x)  # [T, 3C]
   g, beta = attn.gates(x)  # [T, H, K], [T, H]
-
-  def advance(conv_r, rec_r, m, gt, bt):
-    """One token of one request: its conv window and recurrent state, advanced."""
-    window = jnp.concatenate([conv_r, m[None]], axis=0)  # [kw, 3C]
-    q, kk, v = attn.conv_qkv(window, x.dtype)
-    s, o = delta_rule_step(rec_r, q, kk, v, gt, bt)
-    return window[1:], s, o
-
-  slots_init = (jnp.zeros((num_reqs, num_slots) + conv.shape[1:], conv.dtype),
-                jnp.zeros((num_reqs, num_slots) + rec.shape[1:], rec.dtype))
-  if inputs.max_query_len:
-    conv_slots, rec_slots, o = _advance_uniform(advance, conv, rec, slots_init, mixed, g, beta, req, pos, slot,
-                                                first_pos, inputs.max_query_len)
-  else:
-    # Token by token, each on its own request's state: a ragged batch in one scan. Updates of
-    # padding tokens go out of range and are dropped, so every update is an in-place scatter.
-    def step(carry, inp):
-      conv_s, rec_s, conv_slots, rec_slots = carry
-      r, sl, m, gt, bt = inp
-      rr = jnp.maximum(r, 0)
-      window, s, o = advance(conv_s[rr], rec_s[rr], m, gt, bt)
-      dst = jnp.where(r >= 0, r, num_reqs)
-      conv_s = conv_s.at[dst].set(window, mode="drop")
-      rec_s = rec_s.at[dst].set(s, mode="drop")
-      conv_slots = conv_slots.at[dst, sl].set(window, mode="drop")
-      rec_slots = rec_slots.at[dst, sl].set(s, mode="drop")
-      return (conv_s, rec_s, conv_slots, rec_slots), o
-
-    (_, _, conv_slots, rec_slots), o = jax.lax.scan(step, (conv, rec) + slots_init, (req, slot, mixed, g, beta))
+  # Each token's conv window, oldest first: its request's kw-1 previous inputs come from this
+  # step's tokens (a request's tokens are contiguous) or, before the chunk, from the conv state.
+  t = x.shape[0]
+  rank = jnp.where(req >= 0, pos - first_pos[jnp.maximum(req, 0)], 0)[:, None]  # [T, 1]
+  tap = jnp.arange(kw, dtype=jnp.int32)[None, :]
+  lag = (kw - 1) - tap
+  src = jnp.where(rank >= lag, jnp.arange(t, dtype=jnp.int32)[:, None] - lag,
+                  t + jnp.maximum(req, 0)[:, None] * (kw - 1) + tap + rank)
+  windows = jnp.concatenate([mixed, conv.reshape(-1, conv.shape[-1])])[src]  # [T, kw, 3C]
+  q, kk, v = attn.conv_qkv(windows, x.dtype)
+  # The conv state after a token is its window's last kw-1 inputs.
+  conv_slots = jnp.zeros((num_reqs, num_slots) + conv.shape[1:], conv.dtype).at[seen, slot].set(
+      windows[:, 1:], mode="drop")
+  o, rec_slots = fused_recurrent_kda(q, kk, v, g, beta, rec, jnp.zeros((num_reqs, num_slots) + rec.shape[1:], rec.dtype),
+                                     req, slot, implementation=kda_implementation(implementation))
   y = attn.output(o, x)
   # Write back the slots this step produced.
   conv_parts = jnp.split(conv_slots.astype(sdt), 3, axis=-1)  # q, k, v windows, as stored
@@ -148,32 +143,6 @@ def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, state_dtype
                       new.reshape(num_reqs * num_slots, -1))
   caches = {**caches, view.tensor: jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(arr.shape)}
   return y, caches
-
-
-def _advance_uniform(advance, conv, rec, slots_init, mixed, g, beta, req, pos, slot, first_pos, max_query_len: int):
-  """KDA when no request has more than ``max_query_len`` tokens in the step (uniform decode): the
-  tokens laid out ``[R, max_query_len]`` by request and rank, every request advanced at once
-  ``max_query_len`` times (no per-token loop over the step). Returns ``(conv_slots, rec_slots, o)``
-  as the token-by-token scan does."""
-  num_reqs, t = conv.shape[0], req.shape[0]
-  rank = pos - first_pos[jnp.maximum(req, 0)]
-  grid = jnp.full((num_reqs, max_query_len), t, jnp.int32)
-  grid = grid.at[jnp.where(req >= 0, req, num_reqs), rank].set(jnp.arange(t, dtype=jnp.int32), mode="drop")
-  valid = grid < t  # [R, L]
-  conv_slots, rec_slots = slots_init
-  at = lambda a, fill=0: jnp.concatenate([a, jnp.full((1,) + a.shape[1:], fill, a.dtype)])[grid]
-  mixed, g, beta, slot = at(mixed), at(g), at(beta), at(slot, conv_slots.shape[1])  # empty cells: dropped
-  rows = jnp.arange(num_reqs)
-  outs = []
-  for j in range(max_query_len):
-    window, s, o = jax.vmap(advance)(conv, rec, mixed[:, j], g[:, j], beta[:, j])
-    conv = jnp.where(valid[:, j, None, None], window, conv)
-    rec = jnp.where(valid[:, j, None, None, None], s, rec)
-    conv_slots = conv_slots.at[rows, slot[:, j]].set(window, mode="drop")
-    rec_slots = rec_slots.at[rows, slot[:, j]].set(s, mode="drop")
-    outs.append(o)
-  o = jnp.stack(outs, axis=1)  # [R, L, H, V]
-  return conv_slots, rec_slots, o[jnp.maximum(req, 0), jnp.clip(rank, 0, max_query_len - 1)]
 
 
 def _as_words(arr):
@@ -279,7 +248,7 @@ def paged_hidden_states(model: Glm5NextForCausalLM, caches: dict[str, jax.Array]
     name = f"layers.{i}.self_attn"
     if isinstance(attn, KimiDeltaAttention):
       y, state["caches"] = _kda_step(attn, x[0], state["caches"], layout.view(f"{name}.kda"), inputs,
-                                     layout.state_dtype)
+                                     layout.state_dtype, implementation)
       return y[None], None
     y, state["caches"], indices = _dsa_step(attn, x[0], state["caches"], layout, name, inputs, prev_indices,
                                             implementation)

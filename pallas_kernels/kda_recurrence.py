@@ -1,0 +1,175 @@
+"""Fused recurrent KDA: every request's tokens of a step advanced through its delta-rule state in one launch.
+
+For request ``r`` (its tokens contiguous and in order in the flat batch, as ``StepInputs`` lays them
+out) and head ``h``, from ``s = state[r, h]`` (``[K, V]`` float32), token by token:
+
+    s <- diag(exp(g_t)) s;   u = beta_t (v_t - s^T k_t);   s <- s + k_t u^T;   o_t = s^T q_t
+
+and the state after token ``t`` is saved to ``states[r, slot[t]]`` when ``0 <= slot[t] < S``
+(``S`` state slots per request: the last ``S`` tokens' states, for speculative rollback).
+
+Why a kernel: one program per (request, head, block of V) runs its request's tokens in order with
+the same code whatever else is in the batch, so a token's output and states are bitwise the same
+decoded alone, in a batch, or inside a prefill chunk of any length. XLA's batched (a decode batch)
+and unbatched (one token of a scan) forms of the same math round differently on the GPU, which
+breaks the engine's bitwise equivalence across schedules. It is also the fast path: the state
+stays in registers across a prefill chunk's tokens instead of one XLA loop iteration per token
+(``docs/performance.md``). fla's ``fused_recurrent_kda`` is the same idea in Triton.
+
+``"xla"`` is the CPU path and the reference: a ``lax.scan`` over the flat tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels._common import check_implementation, default_interpret
+
+__all__ = ["fused_recurrent_kda", "fused_recurrent_kda_reference", "delta_rule_step", "resolve_kda_implementation"]
+
+
+def _kda_kernel(start_ref, len_ref, slot_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, states_in_ref,
+                o_ref, states_ref, *, block_v, num_slots):
+  # start_ref / len_ref: [R] first flat token and token count of each request; slot_ref: [T];
+  # q/k/g: [T, H, K], v: [T, H, V], beta: [T, H]; state_ref: [R, H, K, V];
+  # o_ref: [T, H, V]; states_ref: [R, S, H, K, V] (aliases states_in_ref).
+  del states_in_ref
+  r, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  cols = pl.ds(vb * block_v, block_v)
+  start = start_ref[r]
+
+  def body(t, s):
+    k = k_ref[t, h, :]
+    s = s * jnp.exp(g_ref[t, h, :])[:, None]
+    u = beta_ref[t, h] * (v_ref[t, h, cols] - jnp.sum(s * k[:, None], axis=0))
+    s = s + k[:, None] * u[None, :]
+    o_ref[t, h, cols] = jnp.sum(s * q_ref[t, h, :][:, None], axis=0)
+    slot = slot_ref[t]
+
+    @pl.when((slot >= 0) & (slot < num_slots))
+    def _():
+      states_ref[r, slot, h, :, cols] = s
+
+    return s
+
+  jax.lax.fori_loop(start, start + len_ref[r], body, state_ref[r, h, :, cols])
+
+
+def resolve_kda_implementation(implementation: str) -> str:
+  """``"auto"``: the kernel on a GPU, the XLA scan on the CPU (interpret mode would be slow)."""
+  if implementation == "auto":
+    return "xla" if jax.default_backend() == "cpu" else "pallas"
+  check_implementation(implementation)
+  return implementation
+
+
+def _validate(q, k, v, g, beta, state, states, req_indices, slot):
+  t, h, kd = q.shape
+  r, _, _, vd = state.shape
+  if k.shape != q.shape or g.shape != q.shape or v.shape != (t, h, vd) or beta.shape != (t, h):
+    raise ValueError(f"q, k, g must be [T, H, K], v [T, H, V] and beta [T, H] of one T, H; got q {list(q.shape)}, "
+                     f"k {list(k.shape)}, g {list(g.shape)}, v {list(v.shape)}, beta {list(beta.shape)}.")
+  if state.shape != (r, h, kd, vd):
+    raise ValueError(f"state must be [R, H, K, V] = [R, {h}, {kd}, {vd}], got {list(state.shape)}.")
+  if states.ndim != 5 or states.shape[0] != r or states.shape[2:] != (h, kd, vd):
+    raise ValueError(f"states must be [{r}, S, {h}, {kd}, {vd}], got {list(states.shape)}.")
+  for name, a in (("req_indices", req_indices), ("slot", slot)):
+    if a.shape != (t,) or a.dtype != jnp.int32:
+      raise ValueError(f"{name} must be int32[{t}], got {a.dtype}{list(a.shape)}.")
+  if any(a.dtype != jnp.float32 for a in (q, k, v, g, beta, state, states)):
+    raise ValueError("q, k, v, g, beta and the states must be float32 (the recurrence runs in float32).")
+
+
+@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "implementation", "interpret"),
+                   donate_argnames=("states",))
+def fused_recurrent_kda(
+    q: Float[Array, "T H K"],
+    k: Float[Array, "T H K"],
+    v: Float[Array, "T H V"],
+    g: Float[Array, "T H K"],
+    beta: Float[Array, "T H"],
+    state: Float[Array, "R H K V"],
+    states: Float[Array, "R S H K V"],
+    req_indices: Int[Array, "T"],
+    slot: Int[Array, "T"],
+    *,
+    block_v: int = 32,
+    num_warps: int = 4,
+    implementation: str = "auto",
+    interpret: bool | None = None,
+) -> tuple[Float[Array, "T H V"], Float[Array, "R S H K V"]]:
+  """The delta rule over each request's tokens; returns ``(o, states)``.
+
+  Args:
+    q, k, g: float32 ``[T, H, K]`` (normed query and key, log-decay); v: ``[T, H, V]``;
+      beta: ``[T, H]`` write strength.
+    state: float32 ``[R, H, K, V]`` the state each request starts from.
+    states: float32 ``[R, S, H, K, V]`` (donated): slot ``slot[t]`` of request ``req_indices[t]``
+      receives the state after token ``t``; slots no token names keep their values.
+    req_indices: int32 ``[T]`` request of each token, -1 for padding; a request's tokens are
+      contiguous and in order (``StepInputs``).
+    slot: int32 ``[T]`` state slot of each token; outside ``[0, S)``: not saved.
+    block_v, num_warps: the kernel's tile of V and Triton's warps.
+    implementation: ``"pallas"``, ``"xla"`` or ``"auto"`` (``resolve_kda_implementation``).
+  Returns:
+    ``o`` float32 ``[T, H, V]`` (zero for padding tokens) and the updated ``states``.
+  """
+  _validate(q, k, v, g, beta, state, states, req_indices, slot)
+  if resolve_kda_implementation(implementation) == "xla":
+    return fused_recurrent_kda_reference(q, k, v, g, beta, state, states, req_indices, slot)
+  t, h, _ = q.shape
+  r, num_slots = states.shape[:2]
+  vd = state.shape[-1]
+  bv = min(block_v, vd)
+  if vd % bv or bv & (bv - 1):
+    raise ValueError(f"block_v must be a power of two dividing V = {vd}, got {bv}.")
+  seen = jnp.where(req_indices >= 0, req_indices, r)
+  start = jnp.full((r,), t, jnp.int32).at[seen].min(jnp.arange(t, dtype=jnp.int32), mode="drop")
+  count = jnp.zeros((r,), jnp.int32).at[seen].add(1, mode="drop")
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  o, states = pl.pallas_call(
+      functools.partial(_kda_kernel, block_v=bv, num_slots=num_slots),
+      out_shape=(jax.ShapeDtypeStruct((t, h, vd), jnp.float32), jax.ShapeDtypeStruct(states.shape, jnp.float32)),
+      grid=(r, h, vd // bv),
+      in_specs=[any_spec] * 10,
+      out_specs=(any_spec, any_spec),
+      input_output_aliases={9: 1},
+      interpret=default_interpret(interpret),
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+      name="fused_recurrent_kda",
+  )(start, count, slot, q, k, v, g, beta, state, states)
+  # Padding tokens belong to no program: their rows were never written.
+  return jnp.where((req_indices >= 0)[:, None, None], o, 0.0), states
+
+
+def fused_recurrent_kda_reference(q, k, v, g, beta, state, states, req_indices, slot):
+  """Plain jnp, same arguments: a scan over the flat tokens, each on its own request's state."""
+  r, num_slots = states.shape[:2]
+  dst = jnp.where(req_indices >= 0, req_indices, r)  # padding: out of range, dropped
+  sl = jnp.where((slot >= 0) & (slot < num_slots), slot, num_slots)
+  def step(carry, inp):
+    s_all, states = carry
+    d, sl_t, qt, kt, vt, gt, bt = inp
+    new, o = delta_rule_step(s_all[jnp.minimum(d, r - 1)], qt, kt, vt, gt, bt)
+    s_all = s_all.at[d].set(new, mode="drop")
+    states = states.at[d, sl_t].set(new, mode="drop")
+    return (s_all, states), jnp.where(d < r, o, 0.0)
+
+  (_, states), o = jax.lax.scan(step, (state, states), (dst, sl, q, k, v, g, beta))
+  return o, states
+
+
+def delta_rule_step(s, q, k, v, g, beta):
+  """One token of the delta rule for any leading dims: ``s [..., K, V]``, ``q, k, g [..., K]``,
+  ``v [..., V]``, ``beta [...]`` -> ``(s, o [..., V])`` (the model's reference uses it too)."""
+  hp = jax.lax.Precision.HIGHEST
+  s = s * jnp.exp(g)[..., None]
+  u = beta[..., None] * (v - jnp.einsum("...kv,...k->...v", s, k, precision=hp))
+  s = s + k[..., None] * u[..., None, :]
+  return s, jnp.einsum("...kv,...k->...v", s, q, precision=hp)
