@@ -194,12 +194,13 @@ def cmd_bench(args) -> int:
     return 0
   profile = result.pop("profile", None)
   print("\n".join(f"{k:28s} {v}" for k, v in result.items()))
-  if profile:
-    print(f"\nprofile ({profile['device']}, {profile['steps']} steps): {profile['busy_ms_per_step']:.3f} ms busy of "
-          f"{profile['span_ms_per_step']:.3f} ms per step ({profile['idle_fraction']:.0%} idle), "
-          f"{profile['kernels_per_step']:.0f} kernels per step; heaviest:")
-    for k in profile["top"]:
-      print(f"  {k['ms_per_step']:9.3f} ms {k['share']:6.1%} x{k['calls_per_step']:<5.0f} {k['name']}")
+  for what, p in (("decode", profile), ("prefill", profile and profile.pop("prefill"))):
+    if p:
+      print(f"\n{what} profile ({p['device']}, {p['steps']} steps): {p['busy_ms_per_step']:.3f} ms busy of "
+            f"{p['span_ms_per_step']:.3f} ms per step ({p['idle_fraction']:.0%} idle), "
+            f"{p['kernels_per_step']:.0f} kernels per step; heaviest:")
+      for k in p["top"]:
+        print(f"  {k['ms_per_step']:9.3f} ms {k['share']:6.1%} x{k['calls_per_step']:<5.0f} {k['name']}")
   return 0
 
 

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-__all__ = ["grouped_matmul", "grouped_matmul_reference", "GROUPED_MATMUL_IMPLEMENTATIONS"]
+__all__ = ["grouped_matmul", "grouped_matmul_reference", "prepare_grouped_matmul", "GROUPED_MATMUL_IMPLEMENTATIONS"]
 
 GROUPED_MATMUL_IMPLEMENTATIONS = ("auto", "tokamax", "xla")
 
@@ -38,6 +38,7 @@ def _tokamax_available() -> bool:
 
 
 def resolve_implementation(implementation: str, dtype=jnp.bfloat16) -> str:
+  """The implementation ``implementation`` runs as (``"auto"`` resolved)."""
   if implementation not in GROUPED_MATMUL_IMPLEMENTATIONS:
     raise ValueError(f"grouped matmul implementation must be one of {GROUPED_MATMUL_IMPLEMENTATIONS}, "
                      f"got {implementation!r}.")
@@ -48,6 +49,18 @@ def resolve_implementation(implementation: str, dtype=jnp.bfloat16) -> str:
     raise ValueError("implementation='tokamax' needs the tokamax package (pip install tokamax, or the "
                      "'.[cuda13]' extra); use 'xla'.")
   return implementation
+
+
+def prepare_grouped_matmul(implementation: str = "auto", dtype=jnp.bfloat16) -> str:
+  """Resolves the implementation and imports tokamax when it will run. Call it before the first
+  jitted step is traced: tokamax defines JAX config options on import, which changes jit's tracing
+  context, so an executable compiled before the import is never found again (measured: the first
+  step shape compiled twice, once inside serving)."""
+  impl = resolve_implementation(implementation, dtype)
+  if impl == "tokamax":
+    import tokamax  # noqa: F401
+
+  return impl
 
 
 def grouped_matmul(

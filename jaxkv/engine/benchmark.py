@@ -53,6 +53,19 @@ def benchmark_decode(engine: LLMEngine, prompts: Sequence[Sequence[int]], *, ste
   finished_early = sum(r.finish_reason is not None for r in reqs)
   for r in reqs:
     engine.abort(r.request_id)
+  if profile_dir is not None:  # the same prompts' prefill again, traced, on the warm engine
+    while engine.has_unfinished():
+      engine.step()
+    again = [engine.add_request(f"bench-prefill-{i}", p, SamplingParams(max_new_tokens=1)) for i, p in enumerate(prompts)]
+    jax.profiler.start_trace(f"{profile_dir}/prefill", create_perfetto_trace=True)
+    num_prefill_steps = 0
+    while not all(r.output_token_ids for r in again):
+      engine.step()
+      num_prefill_steps += 1
+    jax.profiler.stop_trace()
+    profile["prefill"] = summarize_trace(f"{profile_dir}/prefill", num_prefill_steps)
+    while engine.has_unfinished():
+      engine.step()
   lat_ms = np.asarray(lat) * 1e3
   return {
       "batch": len(prompts), "context": len(prompts[0]), "decode_steps": len(lat), "decode_tokens": tokens,

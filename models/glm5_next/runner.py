@@ -21,6 +21,7 @@ from models.glm5_next.config import BUILTIN_CONFIGS, Glm5NextConfig, get_config,
 from models.glm5_next.kv_cache import get_kv_cache_layers
 from models.glm5_next.model import Glm5NextForCausalLM
 from models.glm5_next.paged import PagedLayout, paged_hidden_states, paged_mtp_forward
+from pallas_kernels.grouped_matmul import prepare_grouped_matmul
 
 __all__ = ["Glm5NextRunner", "FAMILY"]
 
@@ -45,6 +46,7 @@ class Glm5NextRunner:
 
   @classmethod
   def from_model(cls, model: Glm5NextForCausalLM, *, implementation: str = "xla") -> Glm5NextRunner:
+    prepare_grouped_matmul("auto", model.embed_tokens[...].dtype)
     graphdef, params = nnx.split(model)
     return cls(graphdef, model.config, implementation, params)
 
