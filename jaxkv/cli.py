@@ -77,6 +77,7 @@ def _engine(args, family, config, max_len: int):
   """The engine over a checkpoint, or a built-in config with seeded random weights."""
   from jaxkv.engine import EngineConfig, LLMEngine
 
+  _check_fits(args, family, config)
   if args.model_path:
     runner = family.from_pretrained(args.model_path, dtype=args.dtype, implementation=args.implementation,
                                     check_weights=args.check_weights)
@@ -88,6 +89,31 @@ def _engine(args, family, config, max_len: int):
   if getattr(args, "print_plan", False):
     sys.stderr.write(engine.render_plan(family.describe(config, cache)))
   return engine
+
+
+def _device_memory_bytes() -> tuple[int, str]:
+  """Memory of the first device: the allocator's limit on an accelerator, physical RAM on the CPU."""
+  import os
+
+  import jax
+
+  dev = jax.local_devices()[0]
+  stats = dev.memory_stats() if dev.platform != "cpu" else None
+  if stats and "bytes_limit" in stats:
+    return int(stats["bytes_limit"]), f"{dev.device_kind} memory"
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory"
+
+
+def _check_fits(args, family, config) -> None:
+  """Refuses, before anything is built, a model whose weights and KV cache exceed the device."""
+  weights = family.weight_bytes(config, args.dtype)
+  need = weights + int(args.memory_gib * 2**30)
+  have, where = _device_memory_bytes()
+  if need > have and not args.force:
+    raise ValueError(f"the model needs {weights / 2**30:.1f} GiB of {args.dtype} weights + {args.memory_gib:g} GiB of "
+                     f"KV cache = {need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB of {where}. Use a "
+                     f"smaller config (--config glm-5.3-flash-tiny or -slice4), --dtype bfloat16, a smaller "
+                     f"--memory-gib, or --force to try anyway.")
 
 
 def _prompts(args, config) -> list[list[int]]:
@@ -226,6 +252,8 @@ def _add_engine_args(p):
   _add_model_args(p, "glm-5.3-flash-tiny")
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights and state dtype")
   p.add_argument("--seed", type=int, default=0, help="random weights and sampling seed")
+  p.add_argument("--force", action="store_true",
+                 help="build the model even when its weights and KV cache exceed the device's memory")
   p.add_argument("--block-size", type=int, default=256)
   p.add_argument("--kernel-block-size", type=int, default=None, help="split token caches into kernel blocks (dense)")
   p.add_argument("--layout", choices=("dense", "packed"), default="packed")

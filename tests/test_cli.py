@@ -86,3 +86,16 @@ def test_help_lists_the_built_in_configs_and_each_command_s_default(capsys):
       main([command, "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert f"(default {default})" in text and "glm-5.3-flash-slice4" in text, command
+
+
+def test_a_model_larger_than_the_machine_is_refused_before_it_is_built(capsys, monkeypatch):
+  import jaxkv.cli
+
+  monkeypatch.setattr(jaxkv.cli, "_device_memory_bytes", lambda: (4 << 30, "host memory"))
+  assert main(["generate", "--config", "glm-5.3-flash", "--dtype", "bfloat16"]) == 2
+  err = " ".join(capsys.readouterr().err.split())
+  assert "more than the 4.0 GiB of host memory" in err and "--force" in err
+  gib = float(err.split("needs ")[1].split(" GiB")[0])
+  assert 550 < gib < 700  # the released model in bf16 (about 305 B parameters)
+  # What fits is built as before.
+  assert main(["generate", "--max-new-tokens", "1", "--json"]) == 0

@@ -115,6 +115,12 @@ class _Family:
     return Glm5NextRunner.from_model(model, implementation=implementation)
 
   @staticmethod
+  def weight_bytes(config: Glm5NextConfig, dtype: str) -> int:
+    """Bytes of the model's weights in ``dtype``, from shapes alone (nothing is allocated)."""
+    abstract = nnx.eval_shape(lambda: Glm5NextForCausalLM(config, dtype=_DTYPES[dtype], rngs=nnx.Rngs(0)))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(abstract)))
+
+  @staticmethod
   def describe(config: Glm5NextConfig, cache_config: CacheConfig) -> str:
     mtp = " + the MTP layer (MLA + indexer)" if cache_config.num_speculative_tokens else ""
     return (f"{config.num_hidden_layers} layers ({len(config.dsa_layers)} MLA + indexer, "
