@@ -1,11 +1,10 @@
 """The fused recurrent KDA kernel against its reference and a NumPy oracle, on random ragged steps."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kda_recurrence import fused_recurrent_kda, fused_recurrent_kda_reference
+from pallas_kernels.kda_recurrence import fused_recurrent_kda
 
 H, K, V = 2, 16, 32
 
