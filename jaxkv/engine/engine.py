@@ -262,7 +262,7 @@ class LLMEngine:
     self._param_leaves, treedef = jax.tree.flatten(runner.params)
     self._param_leaves = tuple(self._param_leaves)
     self._statics = _StepStatics.intern(runner, runner.paged_layout(self.plan), self.plan.attention_groups, k, treedef)
-    self._packings: dict[tuple[int, bool], _PackedInputs] = {}
+    self._packings: dict[int, _PackedInputs] = {}  # by token bucket
     s, top = 1 + k, min(MAX_LOGPROBS, runner.vocab_size)
     r = config.max_num_reqs
     self._out_shapes = [((r, s), np.int32), ((r,), np.int32), ((r, s, top), np.float32), ((r, s, top), np.int32),
@@ -417,7 +417,8 @@ class LLMEngine:
   def _lay_out(v, at: int, c, k: int) -> None:
     """One chunk's tokens from ``at`` and its request's row fields."""
     req = c.request
-    ids = req.all_token_ids + req.spec_token_ids
+    known_tokens = req.all_token_ids
+    ids = known_tokens + req.spec_token_ids
     end = c.start + c.num_tokens
     known_ids = min(end, len(ids)) - c.start
     v["input_ids"][at:at + known_ids] = ids[c.start:c.start + known_ids]
@@ -425,8 +426,8 @@ class LLMEngine:
       v["prev_token_index"][at + known_ids] = req.in_flight_row * (1 + k)
     v["positions"][at:at + c.num_tokens] = np.arange(c.start, end)
     v["req_indices"][at:at + c.num_tokens] = req.row
-    known = max(min(end, len(req.all_token_ids) - 1) - c.start, 0)  # tokens whose successor is committed
-    v["next_ids"][at:at + known] = req.all_token_ids[c.start + 1:c.start + 1 + known]
+    known = max(min(end, len(known_tokens) - 1) - c.start, 0)  # tokens whose successor is committed
+    v["next_ids"][at:at + known] = known_tokens[c.start + 1:c.start + 1 + known]
     v["state_slots"][req.row] = req.state_slot
     if c.samples:
       d, last = c.num_drafts, at + c.num_tokens

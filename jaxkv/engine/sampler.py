@@ -74,7 +74,7 @@ def sample(
   tokens = jnp.where(hot[:, None], drawn, greedy).astype(jnp.int32)
   # Drafts are accepted while they equal the tokens; the token after them is the next one.
   num_accepted = jnp.sum(jnp.cumprod((drafts == tokens) & is_draft, axis=1), axis=1).astype(jnp.int32)
-  return tokens.astype(jnp.int32), num_accepted, top_lp, top_ids.astype(jnp.int32)
+  return tokens, num_accepted, top_lp, top_ids.astype(jnp.int32)
 
 
 _ONE_BITS = 0x3F800000  # float32 1.0: [0, 1] spans fewer than 2**30 float32 bit patterns

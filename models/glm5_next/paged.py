@@ -79,9 +79,8 @@ def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, state_dtype
   A request owns ``S = 1 + num_speculative_tokens`` slots. The step continues from slot
   ``inputs.state_slots[r]``, advances token by token (``fused_recurrent_kda``: the conv windows
   are gathered for every token at once, the delta rule runs per request), and writes the state
-  after each of the
-  request's last ``S`` tokens in the step to slots ``0 .. S-1`` in order (the last token's to slot
-  ``S-1``). After a verify step whose last ``n`` drafts were rejected, the state after the last
+  after each of the request's last ``S`` tokens in the step to slots ``0 .. S-1`` in order (the
+  last token's to slot ``S-1``). After a verify step whose last ``n`` drafts were rejected, the state after the last
   accepted token is in slot ``S-1-n``: the host passes that slot next step, which is the rollback.
   """
   h, k, kw = attn.h, attn.k, attn.kw
