@@ -10,7 +10,7 @@ from jaxkv.attention_backend import (
     is_block_size_supported,
     select_common_block_size,
 )
-from jaxkv.attention_group import AttentionGroup, map_to_kernel_block_tables
+from jaxkv.attention_group import AttentionGroup
 from jaxkv.block_pool import BlockPool, KVCacheBlock
 from jaxkv.block_table import BlockTable, MultiGroupBlockTable, get_block_table_width
 from jaxkv.kernel_blocks import map_to_kernel_blocks
@@ -45,6 +45,7 @@ from jaxkv.kv_cache_spec import (
     SlidingWindowSpec,
 )
 from jaxkv.step_inputs import StepInputs
+from jaxkv.step_metadata import KernelTableGroup, SlotGroup, StepMetadata, StepMetadataSpec
 from jaxkv.utils import cdiv, round_up
 from jaxkv.slot_mapping import (
     PAD_SLOT_ID,
@@ -102,8 +103,11 @@ __all__ = [
     "compute_compressed_slot_mapping",
     "req_indices_from_query_start_loc",
     "map_to_kernel_blocks",
-    "map_to_kernel_block_tables",
     "StepInputs",
+    "StepMetadata",
+    "StepMetadataSpec",
+    "SlotGroup",
+    "KernelTableGroup",
     "cdiv",
     "round_up",
 ]

@@ -4,7 +4,8 @@ The kernel-block view is this object's concern, not the block table's (vLLM's
 ``vllm/v1/worker/utils.py``): the group chooses its kernel block size from its backend, the planner
 resolves its stride from the real cache array, and the step maps the manager-unit block table to
 kernel blocks into the group's persistent buffer. Normal, padded (bucket-size) and drafting steps
-all go through the one ``map_to_kernel_block_table``. The group is frozen: the planner builds it
+all map it the same way (``map_to_kernel_block_table``; in the engine, with the slot mappings
+in one launch: ``pallas_kernels.compute_step_metadata``). The group is frozen: the planner builds it
 resolved (``resolve``), nothing changes it afterwards.
 """
 
@@ -20,7 +21,7 @@ from jaxkv.kernel_blocks import map_to_kernel_blocks
 from jaxkv.kernel_view import KernelView
 from jaxkv.kv_cache_spec import AttentionSpec, KVCacheSpec
 
-__all__ = ["AttentionGroup", "map_to_kernel_block_tables"]
+__all__ = ["AttentionGroup"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,18 +195,3 @@ class AttentionGroup:
         "kernel_page_bytes": self.kernel_page_bytes,
     }
 
-
-def map_to_kernel_block_tables(
-    attention_groups: tuple[AttentionGroup, ...],
-    block_tables: tuple[jax.Array, ...],
-    buffers: tuple[jax.Array | None, ...] | None = None,
-) -> tuple[jax.Array | None, ...]:
-  """Every attention group's kernel-block table for one step (None for groups without a split).
-
-  ``block_tables``: per KV-cache group, the step's manager table; ``buffers``: the groups'
-  persistent tables (``KVCacheConfig.init_kernel_block_tables``), donated and rewritten.
-  """
-  buffers = buffers if buffers is not None else (None,) * len(attention_groups)
-  return tuple(
-      ag.map_to_kernel_block_table(block_tables[ag.kv_cache_group_id], buf) if ag.kernel_block_size else None
-      for ag, buf in zip(attention_groups, buffers))

@@ -57,6 +57,62 @@ def block_slots(block_table, req_indices, positions, *, block_size: int, num_blo
   return block * block_size + positions % block_size, valid
 
 
+def token_slots(block_table, num_blocks_per_row, req_indices, positions, *, block_size: int, dcp_size: int = 1,
+                dcp_rank: int = 0, dcp_interleave: int = 1):
+  """``compute_slot_mapping``'s formula, unjitted: the tables may be arrays or Pallas refs."""
+  if dcp_size > 1:
+    virtual = block_size * dcp_size
+    vblock, voff = positions // virtual, positions % virtual
+    is_local = (voff // dcp_interleave) % dcp_size == dcp_rank
+    local_pos = vblock * block_size + (voff // (dcp_interleave * dcp_size)) * dcp_interleave + voff % dcp_interleave
+  else:
+    is_local = True
+    local_pos = positions
+  slot, valid = block_slots(block_table, req_indices, local_pos, block_size=block_size,
+                            num_blocks_per_row=num_blocks_per_row)
+  valid &= is_local & (positions >= 0)
+  return jnp.where(valid, slot, PAD_SLOT_ID).astype(jnp.int32)
+
+
+def circular_slots(block_table, req_indices, positions, *, ring_size: int):
+  """``compute_circular_slot_mapping``'s formula, unjitted (arrays or Pallas refs)."""
+  rows = block_table.shape[0]
+  valid = (req_indices >= 0) & (req_indices < rows) & (positions >= 0)
+  block = block_table[jnp.where(valid, req_indices, 0), 0]
+  valid &= block > 0
+  return jnp.where(valid, block * ring_size + positions % ring_size, PAD_SLOT_ID).astype(jnp.int32)
+
+
+def compressed_slots(page_of, req_indices, positions, *, states_per_page: int, compress_ratio: int):
+  """``compute_compressed_slot_mapping``'s formula, unjitted.
+
+  ``page_of(req_indices, kernel_block_idx) -> (page, valid)`` looks up the kernel-block table: a
+  gather from the mapped table, or (inside the step-metadata kernel) ``b * stride + j`` computed
+  from the manager table directly.
+  """
+  state = positions // compress_ratio
+  page, valid = page_of(req_indices, state // states_per_page)
+  # p % r == r - 1 rather than (p + 1) % r == 0: no overflow at p = 2**31 - 1.
+  valid &= (positions >= 0) & (positions % compress_ratio == compress_ratio - 1)
+  return jnp.where(valid, page * states_per_page + state % states_per_page, PAD_SLOT_ID).astype(jnp.int32)
+
+
+def split_block_lookup(block_table, num_blocks_per_row, *, blocks_per_kernel_block: int, stride: int):
+  """``page_of`` for ``compressed_slots`` straight from the manager table: kernel block ``kb`` of a
+  row is ``table[r, kb // bpk] * stride + kb % bpk``, live while ``kb // bpk`` is a live block."""
+
+  def page_of(req_indices, kb):
+    block, valid = _gather_block(block_table, num_blocks_per_row, req_indices, kb // blocks_per_kernel_block)
+    return block * stride + kb % blocks_per_kernel_block, valid & (kb >= 0)
+
+  return page_of
+
+
+def _check_dcp(dcp_size: int, dcp_rank: int, dcp_interleave: int) -> None:
+  if not 0 <= dcp_rank < dcp_size or dcp_interleave < 1:
+    raise ValueError(f"invalid DCP sharding: rank {dcp_rank} of {dcp_size}, interleave {dcp_interleave}.")
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("block_size", "uses_slot_mapping", "dcp_size", "dcp_rank", "dcp_interleave"),
@@ -94,21 +150,9 @@ def compute_slot_mapping(
   """
   if not uses_slot_mapping:
     return jnp.full(positions.shape, PAD_SLOT_ID, jnp.int32)
-  if not 0 <= dcp_rank < dcp_size or dcp_interleave < 1:
-    raise ValueError(f"invalid DCP sharding: rank {dcp_rank} of {dcp_size}, interleave {dcp_interleave}.")
-  positions = positions.astype(jnp.int32)
-  if dcp_size > 1:
-    virtual = block_size * dcp_size
-    vblock, voff = positions // virtual, positions % virtual
-    is_local = (voff // dcp_interleave) % dcp_size == dcp_rank
-    local_pos = vblock * block_size + (voff // (dcp_interleave * dcp_size)) * dcp_interleave + voff % dcp_interleave
-  else:
-    is_local = True
-    local_pos = positions
-  slot, valid = block_slots(block_table, req_indices, local_pos, block_size=block_size,
-                            num_blocks_per_row=num_blocks_per_row)
-  valid &= is_local & (positions >= 0)
-  return jnp.where(valid, slot, PAD_SLOT_ID).astype(jnp.int32)
+  _check_dcp(dcp_size, dcp_rank, dcp_interleave)
+  return token_slots(block_table, num_blocks_per_row, req_indices, positions.astype(jnp.int32), block_size=block_size,
+                     dcp_size=dcp_size, dcp_rank=dcp_rank, dcp_interleave=dcp_interleave)
 
 
 @functools.partial(jax.jit, static_argnames=("ring_size",))
@@ -124,11 +168,7 @@ def compute_circular_slot_mapping(
   In bounds for any position (a 500k-token prompt included): only column 0 is ever read. -1 for
   padding tokens, negative positions and rows holding the null block 0.
   """
-  rows = block_table.shape[0]
-  valid = (req_indices >= 0) & (req_indices < rows) & (positions >= 0)
-  block = block_table[jnp.where(valid, req_indices, 0), 0]
-  valid &= block > 0
-  return jnp.where(valid, block * ring_size + positions % ring_size, PAD_SLOT_ID).astype(jnp.int32)
+  return circular_slots(block_table, req_indices, positions, ring_size=ring_size)
 
 
 @functools.partial(jax.jit, static_argnames=("states_per_page", "compress_ratio"))
@@ -148,11 +188,11 @@ def compute_compressed_slot_mapping(
   ``slot // P``, entry ``slot % P`` of the re-strided kernel view. Every other token gets -1.
   (vLLM's ``get_compressed_slot_mapping``.)
   """
-  positions = positions.astype(jnp.int32)
-  state = positions // compress_ratio
-  page, valid = _gather_block(kernel_block_table, num_kernel_blocks_per_row, req_indices, state // states_per_page)
-  valid &= (positions >= 0) & ((positions + 1) % compress_ratio == 0)
-  return jnp.where(valid, page * states_per_page + state % states_per_page, PAD_SLOT_ID).astype(jnp.int32)
+  def page_of(req, kb):
+    return _gather_block(kernel_block_table, num_kernel_blocks_per_row, req, kb)
+
+  return compressed_slots(page_of, req_indices, positions.astype(jnp.int32), states_per_page=states_per_page,
+                          compress_ratio=compress_ratio)
 
 
 @functools.partial(jax.jit, static_argnames=("num_tokens",))

@@ -9,21 +9,23 @@ import jax
 
 from jaxtyping import Array, Int
 
+from jaxkv.step_metadata import StepMetadata
+
 __all__ = ["StepInputs"]
 
 
 @functools.partial(jax.tree_util.register_dataclass)
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
-  """One step's per-token inputs, every group's block table and every attention group's kernel table.
+  """One step's per-token inputs, every group's block table, and the metadata derived from them.
 
   Attributes:
     input_ids, positions, req_indices: int32 ``[T]`` (padding tokens: ``req_indices == -1``); a
       request's tokens are contiguous and in position order.
     block_tables: per KV-cache group, int32 ``[max_num_reqs, width]`` manager block ids.
     num_blocks: per KV-cache group, int32 ``[max_num_reqs]``.
-    kernel_block_tables: per attention group, its table in kernel blocks
-      (``AttentionGroup.map_to_kernel_block_table``), or None where the group has no split.
+    metadata: the step's slot mappings and kernel-block tables
+      (``pallas_kernels.compute_step_metadata`` over the tables and tokens above).
     state_slots: int32 ``[max_num_reqs]``: the linear-attention state slot each request
       continues from (the last, ``num_speculative_tokens``, unless drafts were rejected).
   """
@@ -33,5 +35,5 @@ class StepInputs:
   req_indices: Int[Array, "T"]
   block_tables: tuple[Int[Array, "R W"], ...]
   num_blocks: tuple[Int[Array, "R"], ...]
-  kernel_block_tables: tuple[Int[Array, "R Wk"] | None, ...]
+  metadata: StepMetadata
   state_slots: Int[Array, "R"]

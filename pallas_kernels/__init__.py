@@ -20,6 +20,7 @@ from pallas_kernels.kpool import (
 )
 from pallas_kernels.paged_mqa_logits import paged_mqa_logits, paged_mqa_logits_reference
 from pallas_kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_reference
+from pallas_kernels.step_metadata import compute_step_metadata, compute_step_metadata_reference
 from pallas_kernels.topk_selection import select_topk_tokens, select_topk_tokens_reference
 
 __all__ = [
@@ -39,4 +40,6 @@ __all__ = [
     "select_topk_tokens_reference",
     "sparse_mla_decode",
     "sparse_mla_decode_reference",
+    "compute_step_metadata",
+    "compute_step_metadata_reference",
 ]

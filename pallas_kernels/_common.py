@@ -21,6 +21,24 @@ def check_implementation(implementation: str) -> None:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}.")
 
 
+def resolve_implementation(implementation: str) -> str:
+  """``"auto"``: the kernel on a GPU, the XLA path on the CPU (interpret mode would be slow)."""
+  if implementation == "auto":
+    return "xla" if jax.default_backend() == "cpu" else "pallas"
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS + ('auto',)}, got {implementation!r}.")
+  return implementation
+
+
+def gpu_kernel_implementation(implementation: str) -> str:
+  """The KDA recurrence's and the step metadata's path under a runner's kernel switch (``"pallas"``
+  or ``"xla"``): the Pallas kernel whenever on a GPU; on the CPU the XLA path, unless ``"pallas"``
+  asks for the kernel (interpret mode). The KDA kernel keeps a token's arithmetic independent of
+  the batch (kda_recurrence.py); the metadata kernel is exact either way, and one launch instead
+  of several fusions (step_metadata.py)."""
+  return resolve_implementation("pallas" if implementation == "pallas" else "auto")
+
+
 def default_interpret(interpret: bool | None) -> bool:
   """Pallas GPU kernels run in interpret mode on the CPU (CI), compiled on a GPU."""
   return jax.default_backend() == "cpu" if interpret is None else interpret

@@ -29,9 +29,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels._common import check_implementation, default_interpret
+from pallas_kernels._common import default_interpret, resolve_implementation
 
-__all__ = ["fused_recurrent_kda", "fused_recurrent_kda_reference", "delta_rule_step", "resolve_kda_implementation"]
+__all__ = ["fused_recurrent_kda", "fused_recurrent_kda_reference", "delta_rule_step"]
 
 
 def _kda_kernel(start_ref, len_ref, slot_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, states_in_ref,
@@ -59,14 +59,6 @@ def _kda_kernel(start_ref, len_ref, slot_ref, q_ref, k_ref, v_ref, g_ref, beta_r
     return s
 
   jax.lax.fori_loop(start, start + len_ref[r], body, state_ref[r, h, :, cols])
-
-
-def resolve_kda_implementation(implementation: str) -> str:
-  """``"auto"``: the kernel on a GPU, the XLA scan on the CPU (interpret mode would be slow)."""
-  if implementation == "auto":
-    return "xla" if jax.default_backend() == "cpu" else "pallas"
-  check_implementation(implementation)
-  return implementation
 
 
 def _validate(q, k, v, g, beta, state, states, req_indices, slot):
@@ -116,12 +108,12 @@ def fused_recurrent_kda(
       contiguous and in order (``StepInputs``).
     slot: int32 ``[T]`` state slot of each token; outside ``[0, S)``: not saved.
     block_v, num_warps: the kernel's tile of V and Triton's warps.
-    implementation: ``"pallas"``, ``"xla"`` or ``"auto"`` (``resolve_kda_implementation``).
+    implementation: ``"pallas"``, ``"xla"`` or ``"auto"`` (``resolve_implementation``).
   Returns:
     ``o`` float32 ``[T, H, V]`` (zero for padding tokens) and the updated ``states``.
   """
   _validate(q, k, v, g, beta, state, states, req_indices, slot)
-  if resolve_kda_implementation(implementation) == "xla":
+  if resolve_implementation(implementation) == "xla":
     return fused_recurrent_kda_reference(q, k, v, g, beta, state, states, req_indices, slot)
   t, h, _ = q.shape
   r, num_slots = states.shape[:2]

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxkv import StepInputs, map_to_kernel_block_tables
+from jaxkv import StepInputs, StepMetadataSpec
+from pallas_kernels import compute_step_metadata
 from kernel_utils import random_tables, tiny_plan
 from models.glm5_next import Glm5NextForCausalLM, get_config
 from models.glm5_next.paged import PagedLayout, paged_forward, paged_hidden_states, paged_mtp_forward
@@ -34,8 +35,10 @@ def setup(layout, kv_dtype="float32", idx_dtype="float32", block_size=512, num_s
 def step_inputs(plan, tables, tok, pos, req, state_slots):
   bt = tuple(jnp.asarray(t.block_table) for t in tables.block_tables)
   nb = tuple(jnp.asarray(t.num_blocks_per_row) for t in tables.block_tables)
-  return StepInputs(jnp.asarray(tok, jnp.int32), jnp.asarray(pos, jnp.int32), jnp.asarray(req, jnp.int32), bt, nb,
-                    map_to_kernel_block_tables(plan.attention_groups, bt), state_slots)
+  pos, req = jnp.asarray(pos, jnp.int32), jnp.asarray(req, jnp.int32)
+  meta = compute_step_metadata(bt, nb, req, pos, plan.init_kernel_block_tables(bt[0].shape[0]),
+                               spec=StepMetadataSpec.from_plan(plan))
+  return StepInputs(jnp.asarray(tok, jnp.int32), pos, req, bt, nb, meta, state_slots)
 
 
 @functools.lru_cache(maxsize=None)

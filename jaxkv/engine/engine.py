@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.attention_group import AttentionGroup, map_to_kernel_block_tables
 from jaxkv.block_table import MultiGroupBlockTable
 from jaxkv.engine.model_runner import ModelRunner, plan_for
 from jaxkv.engine.request import MAX_LOGPROBS, Request, RequestOutput, RequestStatus, SamplingParams, is_int
@@ -31,6 +30,9 @@ from jaxkv.kv_cache_config import CacheConfig
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.kv_cache_report import render_plan
 from jaxkv.step_inputs import StepInputs
+from jaxkv.step_metadata import StepMetadataSpec
+from pallas_kernels._common import gpu_kernel_implementation
+from pallas_kernels.step_metadata import compute_step_metadata
 
 __all__ = ["EngineConfig", "LLMEngine"]
 
@@ -148,7 +150,7 @@ def _unpack_outputs(flat: np.ndarray, shapes) -> list[np.ndarray]:
 
 
 class _StepStatics:
-  """The step's static argument: the runner, the plan's layout and attention groups, the drafts.
+  """The step's static argument: the runner, the plan's layout and step-metadata spec, the drafts.
 
   Hashed once (a Flax graph takes milliseconds to hash) and interned, so every step of every
   engine with equal settings finds its compiled executable by identity.
@@ -156,12 +158,14 @@ class _StepStatics:
 
   _interned: dict = {}
 
-  def __init__(self, runner: ModelRunner, layout, attention_groups: tuple[AttentionGroup, ...],
-               num_speculative_tokens: int, params_treedef):
-    self.runner, self.layout, self.attention_groups = runner, layout, attention_groups
+  def __init__(self, runner: ModelRunner, layout, metadata_spec: StepMetadataSpec, num_speculative_tokens: int,
+               params_treedef):
+    self.runner, self.layout, self.metadata_spec = runner, layout, metadata_spec
+    # The metadata kernel whenever on a GPU (exact either way), as the runner's switch resolves it.
+    self.metadata_implementation = gpu_kernel_implementation(getattr(runner, "implementation", "xla"))
     self.num_speculative_tokens = num_speculative_tokens
     self.params_treedef = params_treedef
-    self._key = (runner, layout, attention_groups, num_speculative_tokens, params_treedef)
+    self._key = (runner, layout, metadata_spec, num_speculative_tokens, params_treedef)
     self._hash = hash(self._key)
 
   @classmethod
@@ -189,7 +193,7 @@ def _device_step(statics: _StepStatics, packing: _PackedInputs, param_leaves, ca
   src = v["prev_token_index"]
   input_ids = jnp.where(src >= 0, prev_out[jnp.maximum(src, 0)], v["input_ids"])
   inputs = StepInputs(input_ids, v["positions"], v["req_indices"], tuple(v[f"table{g}"] for g in groups),
-                      tuple(v[f"count{g}"] for g in groups), (None,) * len(kernel_tables), v["state_slots"])
+                      tuple(v[f"count{g}"] for g in groups), None, v["state_slots"])
   params = jax.tree.unflatten(statics.params_treedef, param_leaves)
   out, caches, kernel_tables = _step(statics, params, caches, kernel_tables, inputs, v["sample_indices"], v["next_ids"],
                                      v["draft_ids"], v["num_drafts"], v["temperature_f32"], v["top_p_f32"], v["seeds"],
@@ -199,20 +203,24 @@ def _device_step(statics: _StepStatics, packing: _PackedInputs, param_leaves, ca
 
 def _step(statics: _StepStatics, params, caches, kernel_tables, inputs: StepInputs, sample_indices, next_ids,
           draft_ids, num_drafts, temperature, top_p, seeds, steps):
-  """Kernel-block tables, the trunk over the step's tokens, verification and sampling of each
+  """The step's metadata, the trunk over the step's tokens, verification and sampling of each
   sampling row, then the drafts for the next step.
 
   ``kernel_tables``: each attention group's persistent kernel-block table (None without a split),
-  donated and rewritten by ``map_to_kernel_blocks`` from this step's manager tables: one mapping
-  for every step (normal, padding-only warm-up, verification and drafting).
+  donated and rewritten with the slot mappings by ``compute_step_metadata`` from this step's
+  manager tables: one mapping for every step (normal, padding-only warm-up, verification and
+  drafting).
   ``sample_indices [R, S]``: flat indices of a row's tokens whose logits are sampled (its last
   token and its drafts; -1: none). ``next_ids [T]``: the token after each step token when the host
   knows it (-1: the token sampled here). Returns ``(tokens [R, S], num_accepted [R], top-k
   log-probabilities and ids [R, S, K], drafts [R, k])``, the caches and the kernel tables.
   """
   runner, layout = statics.runner, statics.layout
-  kernel_tables = map_to_kernel_block_tables(statics.attention_groups, inputs.block_tables, kernel_tables)
-  inputs = dataclasses.replace(inputs, kernel_block_tables=kernel_tables)
+  meta = compute_step_metadata(inputs.block_tables, inputs.num_blocks, inputs.req_indices, inputs.positions,
+                               kernel_tables, spec=statics.metadata_spec,
+                               implementation=statics.metadata_implementation)
+  kernel_tables = meta.kernel_block_tables
+  inputs = dataclasses.replace(inputs, metadata=meta)
   hidden, caches = runner.forward(params, caches, inputs, layout)
   logits = runner.compute_logits(params, hidden[jnp.maximum(sample_indices, 0)])  # [R, S, V]
   tokens, num_accepted, top_lp, top_ids = sample(logits, temperature, top_p, seeds, steps, draft_ids, num_drafts)
@@ -261,7 +269,8 @@ class LLMEngine:
     # Python calls per variable).
     self._param_leaves, treedef = jax.tree.flatten(runner.params)
     self._param_leaves = tuple(self._param_leaves)
-    self._statics = _StepStatics.intern(runner, runner.paged_layout(self.plan), self.plan.attention_groups, k, treedef)
+    self._statics = _StepStatics.intern(runner, runner.paged_layout(self.plan), StepMetadataSpec.from_plan(self.plan),
+                                        k, treedef)
     self._packings: dict[int, _PackedInputs] = {}  # by token bucket
     s, top = 1 + k, min(MAX_LOGPROBS, runner.vocab_size)
     r = config.max_num_reqs

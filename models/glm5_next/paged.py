@@ -5,17 +5,18 @@ A step's tokens are ``[T]`` (bucketed), each with its request's block-table row 
 can hold prefill chunks (starting and ending anywhere, mid-pool included) and decode tokens
 together. Every cache is read and written in place through ``jaxkv``:
 
-* MLA latent: ``compute_slot_mapping`` -> ``write_to_paged_cache``; read back by
+* MLA latent: the group's manager-unit slots -> ``write_to_paged_cache``; read back by
   ``sparse_mla_decode`` (absorbed form) over the selected tokens.
-* Pooled indexer keys + tail ring: ``compute_compressed_slot_mapping`` over the attention group's
-  kernel-block table and ``compute_circular_slot_mapping`` -> ``kpool_compress_and_write``; scored
-  by ``paged_mqa_logits``; selected by ``select_topk_tokens``.
+* Pooled indexer keys + tail ring: the attention group's compressed slots and the ring's slots ->
+  ``kpool_compress_and_write``; scored by ``paged_mqa_logits`` over the kernel-block table;
+  selected by ``select_topk_tokens``.
 * KDA: the request's state slot (its one block in the layer's group) is read, advanced token by
   token, and written back; a request whose first token in the step is position 0 starts from zero.
 
-Kernel-block tables come in ``StepInputs.kernel_block_tables``, mapped by each attention group
-(``AttentionGroup.map_to_kernel_block_table``) before the model runs; the model never re-derives
-them. ``PagedLayout.from_plan(plan)`` holds each cache's resolved ``KernelView``. The layer loop is
+Slot mappings and kernel-block tables come in ``StepInputs.metadata``, computed for the whole
+step before the model runs (``compute_step_metadata``: one launch on a GPU); the model never
+re-derives them. ``PagedLayout.from_plan(plan)`` holds each cache's resolved ``KernelView`` and
+the step-metadata spec (draft steps recompute their slots with it). The layer loop is
 the reference model's own (``Glm5NextForCausalLM.hidden_states``), with the cached attention
 injected.
 """
@@ -30,11 +31,12 @@ from jaxtyping import Array, Float, Int
 
 from jaxkv.kernel_view import KernelView
 from jaxkv.kv_cache_config import KVCacheConfig
-from jaxkv.slot_mapping import compute_circular_slot_mapping, compute_compressed_slot_mapping, compute_slot_mapping
 from jaxkv.step_inputs import StepInputs
+from jaxkv.step_metadata import StepMetadataSpec
 from models.glm5_next.model import Glm5NextForCausalLM, KimiDeltaAttention
 from pallas_kernels.cache_write import encode_entries, write_to_paged_cache
-from pallas_kernels.kda_recurrence import fused_recurrent_kda, resolve_kda_implementation
+from pallas_kernels._common import gpu_kernel_implementation
+from pallas_kernels.kda_recurrence import fused_recurrent_kda
 from pallas_kernels.kpool import kpool_compress_and_write
 from pallas_kernels.paged_mqa_logits import paged_mqa_logits
 from pallas_kernels.sparse_mla_decode import sparse_mla_decode
@@ -47,30 +49,26 @@ _HP = jax.lax.Precision.HIGHEST
 
 @dataclasses.dataclass(frozen=True)
 class PagedLayout:
-  """The static facts the step needs of a plan: each cache's ``KernelView`` and the cache dtypes."""
+  """The static facts the step needs of a plan: each cache's ``KernelView``, the cache dtypes and
+  the step-metadata spec."""
 
   kv_cache_dtype: str
   indexer_cache_dtype: str
   state_dtype: str
   views: tuple[KernelView, ...]
+  step_metadata: StepMetadataSpec
 
   @classmethod
   def from_plan(cls, plan: KVCacheConfig) -> PagedLayout:
     cc = plan.cache_config
-    return cls(cc.kv_cache_dtype, cc.indexer_cache_dtype, cc.state_dtype, plan.views)
+    return cls(cc.kv_cache_dtype, cc.indexer_cache_dtype, cc.state_dtype, plan.views,
+               StepMetadataSpec.from_plan(plan))
 
   def view(self, name: str) -> KernelView:
     for v in self.views:
       if v.layer_name == name:
         return v
     raise KeyError(f"no cache {name!r} in the plan")
-
-
-def kda_implementation(implementation: str) -> str:
-  """The KDA recurrence's path for the runner's kernel switch: the Pallas kernel whenever on a GPU
-  (it is what keeps a token's arithmetic independent of the batch, pallas_kernels/kda_recurrence.py),
-  the XLA scan on the CPU unless ``"pallas"`` asks for the kernel (interpret mode)."""
-  return resolve_kda_implementation("pallas" if implementation == "pallas" else "auto")
 
 
 def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, state_dtype: str, implementation: str):
@@ -131,7 +129,7 @@ def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, state_dtype
   conv_slots = jnp.zeros((num_reqs, num_slots) + conv.shape[1:], conv.dtype).at[seen, slot].set(
       windows[:, 1:], mode="drop")
   o, rec_slots = fused_recurrent_kda(q, kk, v, g, beta, rec, jnp.zeros((num_reqs, num_slots) + rec.shape[1:], rec.dtype),
-                                     req, slot, implementation=kda_implementation(implementation))
+                                     req, slot, implementation=gpu_kernel_implementation(implementation))
   y = attn.output(o, x)
   # Write back the slots this step produced.
   conv_parts = jnp.split(conv_slots.astype(sdt), 3, axis=-1)  # q, k, v windows, as stored
@@ -182,10 +180,11 @@ def _dsa_step(attn, x, caches, layout: PagedLayout, name: str, inputs: StepInput
   t = x.shape[0]
   mla, idx, tail = (layout.view(f"{name}.{s}") for s in ("mla", "indexer", "indexer_tail"))
   req, pos = inputs.req_indices, inputs.positions
-  table, counts = inputs.block_tables[mla.kv_cache_group_id], inputs.num_blocks[mla.kv_cache_group_id]
+  table = inputs.block_tables[mla.kv_cache_group_id]
   q_resid, c_kv = attn.latent(x[None])
   q_resid, c_kv = q_resid[0], c_kv[0]
-  slots = compute_slot_mapping(table, counts, req, pos, block_size=mla.block_size)
+  meta = inputs.metadata
+  slots = meta.slot_mappings[mla.kv_cache_group_id]
   caches = dict(caches)
   caches[mla.tensor] = write_to_paged_cache(caches[mla.tensor], encode_entries(c_kv, layout.kv_cache_dtype), slots,
                                             view=mla, implementation=implementation)
@@ -193,12 +192,10 @@ def _dsa_step(attn, x, caches, layout: PagedLayout, name: str, inputs: StepInput
     ind = attn.indexer
     q, key, gate, w = ind.project(x[None], q_resid[None])
     q, key, gate, w = q[0], key[0], gate[0], w[0]
-    kt = inputs.kernel_block_tables[idx.attention_group_id]
+    kt = meta.kernel_block_tables[idx.attention_group_id]
     kt = table if kt is None else kt
-    cslots = compute_compressed_slot_mapping(kt, counts * idx.blocks_per_kernel_block, req, pos,
-                                             states_per_page=idx.entries_per_page, compress_ratio=ind.kpool)
-    tail_slots = compute_circular_slot_mapping(inputs.block_tables[tail.kv_cache_group_id], req, pos,
-                                               ring_size=tail.block_size)
+    cslots = meta.compressed_slot_mappings[idx.attention_group_id]
+    tail_slots = meta.slot_mappings[tail.kv_cache_group_id]
     shared = idx.tensor == tail.tensor
     cache, tail_arr = kpool_compress_and_write(
         caches[idx.tensor], None if shared else caches[tail.tensor], key, gate,
