@@ -1,5 +1,6 @@
 """Property: a token written through its manager-unit slot is read back through the kernel-block
-table, for every layout and split, under jit and eager (hypothesis)."""
+table, for every layout and split, under jit and eager (hypothesis), with the slots and tables
+from the jnp functions and from the step-metadata kernel (interpret mode)."""
 
 import contextlib
 
@@ -13,14 +14,29 @@ from hypothesis import strategies as st
 from jaxkv import (
     AttentionBackend,
     AttentionGroup,
+    KernelTableGroup,
     MLAAttentionSpec,
+    SlotGroup,
+    StepMetadataSpec,
     compute_compressed_slot_mapping,
     compute_slot_mapping,
     map_to_kernel_blocks,
 )
 from jaxkv.kernel_blocks import map_to_kernel_blocks_reference
+from pallas_kernels import compute_step_metadata
 
 MODES = ["jit", "eager"]
+
+
+def kernel_metadata(batch, group: KernelTableGroup):
+  """Slots and the kernel-block table of one token group from ``compute_step_metadata``."""
+  table = jnp.asarray(batch["table"])
+  spec = StepMetadataSpec((SlotGroup("tokens", batch["bs"]),), (group,))
+  meta = compute_step_metadata((table,), (jnp.asarray(batch["counts"]),), jnp.asarray(batch["reqs"]),
+                               jnp.asarray(batch["pos"]), (jnp.full((table.shape[0], table.shape[1] * batch["bpk"]),
+                                                                     -7, jnp.int32),),
+                               spec=spec, implementation="pallas")
+  return meta
 
 
 def run_mode(mode):
@@ -62,14 +78,24 @@ def paged_batch(draw, compress_ratio=1):
 @pytest.mark.parametrize("mode", MODES)
 @given(batch=paged_batch())
 def test_dense_split_round_trip(mode, batch):
+  with run_mode(mode):
+    slots = np.asarray(compute_slot_mapping(jnp.asarray(batch["table"]), jnp.asarray(batch["counts"]),
+                                            jnp.asarray(batch["reqs"]), jnp.asarray(batch["pos"]), block_size=batch["bs"]))
+    kt = np.asarray(map_to_kernel_blocks(jnp.asarray(batch["table"]), batch["bpk"], batch["bpk"]))
+  check_dense_round_trip(batch, slots, kt)
+
+
+@given(batch=paged_batch())
+def test_dense_split_round_trip_through_the_step_metadata_kernel(batch):
+  meta = kernel_metadata(batch, KernelTableGroup(0, batch["bpk"], batch["bpk"], mapped=True))
+  check_dense_round_trip(batch, np.asarray(meta.slot_mappings[0]), np.asarray(meta.kernel_block_tables[0]))
+
+
+def check_dense_round_trip(batch, slots, kt):
   kbs, bpk, bs, table = batch["kbs"], batch["bpk"], batch["bs"], batch["table"]
   n_slots = batch["num_blocks"] * bs
   cache = np.full((n_slots, 3), -7, np.int32)  # poisoned
   values = batch["rng"].integers(0, 1 << 30, (len(batch["pos"]), 3)).astype(np.int32)
-  with run_mode(mode):
-    slots = np.asarray(compute_slot_mapping(jnp.asarray(table), jnp.asarray(batch["counts"]), jnp.asarray(batch["reqs"]),
-                                            jnp.asarray(batch["pos"]), block_size=bs))
-    kt = np.asarray(map_to_kernel_blocks(jnp.asarray(table), bpk, bpk))
   np.testing.assert_array_equal(kt, map_to_kernel_blocks_reference(table, bpk, bpk))
   live = slots >= 0
   counts = np.append(batch["counts"], 0)
@@ -88,6 +114,28 @@ def test_dense_split_round_trip(mode, batch):
 @given(batch=paged_batch(compress_ratio=4), extra_pages=st.integers(0, 3), lead_pages=st.integers(0, 2))
 def test_packed_compressed_round_trip(mode, batch, extra_pages, lead_pages):
   """Pooled entries written through the re-strided kernel table land in their manager block."""
+
+  def slots_of(group, P, ratio):
+    with run_mode(mode):
+      kt = group.map_to_kernel_block_table(jnp.asarray(batch["table"]))
+      return np.asarray(compute_compressed_slot_mapping(
+          kt, jnp.asarray(batch["counts"] * group.blocks_per_kernel_block), jnp.asarray(batch["reqs"]),
+          jnp.asarray(batch["pos"]), states_per_page=P, compress_ratio=ratio))
+
+  check_packed_round_trip(batch, extra_pages, lead_pages, slots_of)
+
+
+@given(batch=paged_batch(compress_ratio=4), extra_pages=st.integers(0, 3), lead_pages=st.integers(0, 2))
+def test_packed_compressed_round_trip_through_the_step_metadata_kernel(batch, extra_pages, lead_pages):
+  def slots_of(group, P, ratio):
+    meta = kernel_metadata(batch, KernelTableGroup(0, group.blocks_per_kernel_block, group.stride, mapped=True,
+                                                   states_per_page=P, compress_ratio=ratio))
+    return np.asarray(meta.compressed_slot_mappings[0])
+
+  check_packed_round_trip(batch, extra_pages, lead_pages, slots_of)
+
+
+def check_packed_round_trip(batch, extra_pages, lead_pages, slots_of):
   ratio, row = 4, 12
   kbs, bpk, bs, table = batch["kbs"], batch["bpk"], batch["bs"], batch["table"]
   P = kbs // ratio
@@ -103,11 +151,7 @@ def test_packed_compressed_round_trip(mode, batch, extra_pages, lead_pages):
     assert group.kernel_block_size is None
     return
   assert group.stride == lead_pages + bpk + extra_pages
-  with run_mode(mode):
-    kt = group.map_to_kernel_block_table(jnp.asarray(table))
-    slots = np.asarray(compute_compressed_slot_mapping(kt, jnp.asarray(batch["counts"] * bpk), jnp.asarray(batch["reqs"]),
-                                                       jnp.asarray(batch["pos"]), states_per_page=P,
-                                                       compress_ratio=ratio))
+  slots = slots_of(group, P, ratio)
   pages = arena.reshape(-1, view.row_bytes).copy()
   values = batch["rng"].integers(0, 255, (len(slots), row)).astype(np.uint8)
   for t in np.flatnonzero(slots >= 0):
