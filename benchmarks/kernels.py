@@ -219,6 +219,61 @@ def bench_kpool(tokens, impl, iters, repeats, **tune):
   return _timeit(step, (cache, tail), (keys, gates, ape, *args), iters, repeats), nbytes
 
 
+def step_metadata_spec():
+  """Eight KV-cache groups (token groups of four block sizes, two rings, two recurrent states) and
+  their attention groups: dense and packed splits, compressed caches with and without a split."""
+  from jaxkv import KernelTableGroup, SlotGroup, StepMetadataSpec
+
+  return StepMetadataSpec(
+      (SlotGroup("tokens", 16), SlotGroup("tokens", 64), SlotGroup("tokens", 256), SlotGroup("ring", 8),
+       SlotGroup("ring", 128), SlotGroup("none", 64), SlotGroup("none", 64), SlotGroup("tokens", 1024)),
+      (KernelTableGroup(0), KernelTableGroup(2, 4, 4, mapped=True),
+       KernelTableGroup(2, 2, 7, mapped=True, states_per_page=32, compress_ratio=4),
+       KernelTableGroup(1, states_per_page=16, compress_ratio=4), KernelTableGroup(3), KernelTableGroup(4),
+       KernelTableGroup(5), KernelTableGroup(6), KernelTableGroup(7, 16, 16, mapped=True)))
+
+
+def bench_step_metadata(tokens, impl, iters, repeats, reqs=256, max_model_len=32768, **tune):
+  """A step's slots and kernel tables for ``reqs`` request rows of up to ``max_model_len`` tokens:
+  ``tokens`` = ``reqs`` is a decode step (one token each), more a prefill step (equal chunks).
+
+  Each call's slots feed the next call's positions through a reduction over every slot row (so
+  XLA keeps all of them); the kernel tables are the donated loop state."""
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels.step_metadata import compute_step_metadata
+
+  spec = step_metadata_spec()
+  rng = np.random.default_rng(4)
+  tables, counts = [], []
+  for sg in spec.slot_groups:
+    width = max_model_len // sg.block_size if sg.kind == "tokens" else 1
+    tables.append(jnp.asarray(rng.integers(1, 1 << 20, (reqs, width)).astype(np.int32)))
+    counts.append(jnp.asarray(rng.integers(1, width + 1, reqs).astype(np.int32)))
+  per = tokens // reqs if tokens >= reqs else 1
+  n = min(tokens, reqs)
+  req = np.repeat(rng.permutation(reqs)[:n], per).astype(np.int32)
+  lens = np.asarray(counts[0])[req] * 16
+  pos = (rng.integers(0, 1 << 30, tokens) % np.maximum(lens - per, 1) + np.tile(np.arange(per), n)).astype(np.int32)
+  bufs = tuple(jnp.zeros((reqs, tables[ag.kv_cache_group_id].shape[1] * ag.blocks_per_kernel_block), jnp.int32)
+               if ag.mapped else None for ag in spec.attention_groups)
+
+  def step(state, c):
+    kts, p = state
+    meta = compute_step_metadata(c[0], c[1], c[2], p, kts, spec=spec, implementation=impl)
+    rows = [s for s in meta.slot_mappings + meta.compressed_slot_mappings if s is not None]
+    dep = sum(jnp.where(jnp.max(r) == -12345, 1, 0) for r in rows).astype(jnp.int32)
+    return meta.kernel_block_tables, p + dep
+
+  t = _timeit(step, (bufs, jnp.asarray(pos)), (tuple(tables), tuple(counts), jnp.asarray(req)), iters, repeats)
+  mapped = [b for b in bufs if b is not None]
+  nrows = sum(1 for sg in spec.slot_groups if sg.kind != "none") + sum(ag.compressed for ag in spec.attention_groups)
+  # Written once: every slot row and kernel table; read once: the mapped manager tables, tokens.
+  nbytes = 4 * (nrows * tokens + sum(b.size for b in mapped) + 2 * tokens
+                + sum(tables[ag.kv_cache_group_id].size for ag in spec.attention_groups if ag.mapped))
+  return t, nbytes
+
+
 def run(args):
   import jax
 
@@ -240,14 +295,20 @@ def run(args):
     cases.append(("cache_write", dict(tokens=t)))
   for t in (128, 1024, 8192):
     cases.append(("kpool_compress", dict(tokens=t)))
+  for t in (256, 8192):
+    cases.append(("step_metadata", dict(tokens=t)))
   if args.quick:
     cases = [c for c in cases if c[1].get("batch", 64) == 64 and c[1].get("ctx", 32768) == 32768
              and c[1].get("tokens", 1024) == 1024]
   fns = {"paged_mqa_logits": bench_mqa_logits, "sparse_mla_decode": bench_sparse_mla,
-         "cache_write": bench_cache_write, "kpool_compress": bench_kpool}
+         "cache_write": bench_cache_write, "kpool_compress": bench_kpool, "step_metadata": bench_step_metadata}
+  if args.only:
+    cases = [c for c in cases if c[0] in args.only.split(",")]
   tuned = {}
   if not args.no_tune:
     for name, kw, grid in TUNING:
+      if args.only and name not in args.only.split(","):
+        continue
       best = None
       for tune in grid:
         try:
@@ -345,6 +406,7 @@ def main():
   p.add_argument("--quick", action="store_true", help="one size per kernel")
   p.add_argument("--no-tune", action="store_true", help="skip the tuning sweep (kernel defaults)")
   p.add_argument("--plot", metavar="JSON", help="plot a results file and exit")
+  p.add_argument("--only", metavar="KERNELS", help="comma-separated kernels to run (default: all)")
   args = p.parse_args()
   if args.plot:
     plot(args.plot)
