@@ -99,6 +99,8 @@ def main() -> int:
   p.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens (prefill chunk)")
   p.add_argument("--implementation", default="xla", choices=("xla", "pallas"))
   p.add_argument("--profile", default=None, help="trace each batch's decode steps into DIR/bB")
+  p.add_argument("--metadata-implementations", default="auto",
+                 help="comma-separated EngineConfig.step_metadata_implementation values, each run in turn")
   p.add_argument("--config", default="glm-5.3-flash-slice4")
   p.add_argument("--memory-gib", type=float, default=8.0, help="KV-cache budget")
   args = p.parse_args()
@@ -139,17 +141,19 @@ def main() -> int:
     new_tokens = args.steps + 16 + (8 if args.profile else 0)
     cache = CacheConfig(block_size=1024, layout="packed", kv_cache_dtype="bfloat16", indexer_cache_dtype="fp8",
                         state_dtype="bfloat16", memory_bytes=int(args.memory_gib * 2**30), max_model_len=args.context + new_tokens + 64)
-    # Decode steps run exactly `batch` tokens (no padding routed through the MoE); prefill the budget.
-    engine = LLMEngine(runner, EngineConfig(cache=cache, max_num_reqs=batch, max_num_batched_tokens=args.budget,
-                                            buckets=tuple(sorted({batch, args.budget}))))
-    result = benchmark_decode(engine, prompts, steps=args.steps, new_tokens=new_tokens,
-                              profile_dir=f"{args.profile}/b{batch}" if args.profile else None)
-    need = decode_bytes(runner, batch, args.context, engine.plan)
-    roof_ms = need["total_bytes"] / bandwidth * 1e3
-    emit({"system": "jaxkv", "config": args.config, "build_s": build_s, "budget": args.budget,
-          "implementation": args.implementation, **result, **need, "roofline_ms": roof_ms,
-          "roofline_fraction": roof_ms / result["step_ms_p50"]})
-    del engine
+    for meta in args.metadata_implementations.split(","):
+      # Decode steps run exactly `batch` tokens (no padding routed through the MoE); prefill the budget.
+      engine = LLMEngine(runner, EngineConfig(cache=cache, max_num_reqs=batch, max_num_batched_tokens=args.budget,
+                                              buckets=tuple(sorted({batch, args.budget})),
+                                              step_metadata_implementation=meta))
+      result = benchmark_decode(engine, prompts, steps=args.steps, new_tokens=new_tokens,
+                                profile_dir=f"{args.profile}/b{batch}-{meta}" if args.profile else None)
+      need = decode_bytes(runner, batch, args.context, engine.plan)
+      roof_ms = need["total_bytes"] / bandwidth * 1e3
+      emit({"system": "jaxkv", "config": args.config, "build_s": build_s, "budget": args.budget,
+            "implementation": args.implementation, "step_metadata_implementation": meta, **result, **need,
+            "roofline_ms": roof_ms, "roofline_fraction": roof_ms / result["step_ms_p50"]})
+      del engine
 
   print(f"\n| batch | jaxkv ms/step | HF ms/step | speed-up | jaxkv tok/s | HF tok/s | roofline ms | of roofline |"
         f" jaxkv prefill s | HF prefill s |")

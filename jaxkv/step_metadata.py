@@ -91,6 +91,8 @@ class StepMetadataSpec:
     attention_groups: per attention group of the plan.
     dcp_size, dcp_rank, dcp_interleave: decode-context parallelism of the token groups (this
       rank's share, as ``compute_slot_mapping``).
+    implementation: ``"pallas"`` (one launch), ``"xla"`` (the jnp functions) or ``"auto"`` (the
+      kernel on a GPU, jnp on the CPU); the results are identical integers either way.
   """
 
   slot_groups: tuple[SlotGroup, ...]
@@ -98,8 +100,11 @@ class StepMetadataSpec:
   dcp_size: int = 1
   dcp_rank: int = 0
   dcp_interleave: int = 1
+  implementation: str = "auto"
 
   def __post_init__(self):
+    if self.implementation not in ("auto", "pallas", "xla"):
+      raise ValueError(f"implementation must be 'auto', 'pallas' or 'xla', got {self.implementation!r}.")
     if not 0 <= self.dcp_rank < self.dcp_size or self.dcp_interleave < 1:
       raise ValueError(f"invalid DCP sharding: rank {self.dcp_rank} of {self.dcp_size}, "
                        f"interleave {self.dcp_interleave}.")
@@ -113,7 +118,8 @@ class StepMetadataSpec:
                          "blocks.")
 
   @classmethod
-  def from_plan(cls, plan, *, dcp_size: int = 1, dcp_rank: int = 0, dcp_interleave: int = 1) -> StepMetadataSpec:
+  def from_plan(cls, plan, *, dcp_size: int = 1, dcp_rank: int = 0, dcp_interleave: int = 1,
+                implementation: str = "auto") -> StepMetadataSpec:
     """The spec of a ``KVCacheConfig``'s groups and resolved attention groups."""
     slot_groups = []
     for g in plan.kv_cache_groups:
@@ -128,7 +134,7 @@ class StepMetadataSpec:
           ag.kv_cache_group_id, ag.blocks_per_kernel_block, ag.stride, mapped=ag.kernel_block_size is not None,
           states_per_page=ag.states_per_kernel_page if compressed else 0,
           compress_ratio=spec.tokens_per_state if compressed else 0))
-    return cls(tuple(slot_groups), tuple(attention_groups), dcp_size, dcp_rank, dcp_interleave)
+    return cls(tuple(slot_groups), tuple(attention_groups), dcp_size, dcp_rank, dcp_interleave, implementation)
 
   @property
   def slot_outputs(self) -> tuple[tuple[str, int], ...]:
@@ -143,12 +149,15 @@ class StepMetadataSpec:
     return tuple(a for a, ag in enumerate(self.attention_groups) if ag.mapped)
 
 
-@functools.partial(jax.tree_util.register_dataclass)
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["slot_mappings", "compressed_slot_mappings",
+                                                                "kernel_block_tables"], meta_fields=["spec"])
 @dataclasses.dataclass(frozen=True)
 class StepMetadata:
   """One step's metadata arrays (``compute_step_metadata``); None where a group has none.
 
   Attributes:
+    spec: the static spec they were computed with (a draft step over the same tables recomputes
+      its slots with it).
     slot_mappings: per KV-cache group, int32 ``[T]`` manager-unit or ring slots (-1: writes
       nothing), None for recurrent-state groups.
     compressed_slot_mappings: per attention group, int32 ``[T]`` page-unit slots of the state
@@ -160,3 +169,4 @@ class StepMetadata:
   slot_mappings: tuple[Int[Array, "T"] | None, ...]
   compressed_slot_mappings: tuple[Int[Array, "T"] | None, ...]
   kernel_block_tables: tuple[Int[Array, "R Wk"] | None, ...]
+  spec: StepMetadataSpec

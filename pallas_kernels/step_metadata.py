@@ -3,9 +3,10 @@
 From the step's manager-unit block tables, block counts, request indices and positions, one
 Pallas (Triton-lowered) launch writes what ``jaxkv.step_metadata`` describes:
 
-* programs ``0 .. T/BT - 1`` each take ``BT`` tokens and write every slot row: manager-unit slots
-  of each token group (padding and DCP as ``compute_slot_mapping``), ring slots of each circular
-  buffer, page-unit slots of each compressed cache. A compressed cache's kernel page is computed
+* the first ``(T / BT) * rows`` programs each take ``BT`` tokens and one slot row: manager-unit
+  slots of a token group (padding and DCP as ``compute_slot_mapping``), ring slots of a circular
+  buffer, or page-unit slots of a compressed cache. One row per program keeps each program's chain
+  of dependent gathers short (counts, then table), which is what such a small launch waits on. A compressed cache's kernel page is computed
   from the manager table (``b * stride + j``), never read back from the kernel table this same
   launch is writing (its programs run in no fixed order);
 * programs ``T/BT ..`` each take one block-table row and write it in kernel blocks into every
@@ -44,7 +45,7 @@ from pallas_kernels._common import default_interpret, resolve_implementation
 __all__ = ["compute_step_metadata", "compute_step_metadata_reference"]
 
 # Tokens per program, and the widest vector a kernel-table program stores at once.
-MAX_BLOCK_T = 128
+MAX_BLOCK_T = 64
 MAX_ROW_CHUNK = 1024
 
 
@@ -78,6 +79,8 @@ def _row_chunks(n: int) -> list[tuple[int, int]]:
 
 def _step_metadata_kernel(*refs, spec: StepMetadataSpec, num_groups: int, num_mapped: int, block_t: int,
                           num_token_programs: int):
+  # Program i < num_token_programs: token block i // rows, slot row i % rows; then one program
+  # per block-table row.
   # refs: req [T], pos [T], tables[G] [R, W_g], counts[G] [R], kernel tables in[M] (aliased),
   # then slots [NS, T] and kernel tables out[M] [R, W_g * bpk].
   req_ref, pos_ref = refs[:2]
@@ -87,13 +90,12 @@ def _step_metadata_kernel(*refs, spec: StepMetadataSpec, num_groups: int, num_ma
   kt_refs = refs[3 + 2 * num_groups + num_mapped:]
   i = pl.program_id(0)
 
-  if spec.slot_outputs:
-    @pl.when(i < num_token_programs)
+  num_rows = len(spec.slot_outputs)
+  for row, output in enumerate(spec.slot_outputs):
+    @pl.when((i < num_token_programs) & (i % num_rows == row))
     def _tokens():
-      sl = pl.ds(i * block_t, block_t)
-      req, pos = req_ref[sl], pos_ref[sl]
-      for row, output in enumerate(spec.slot_outputs):
-        slots_ref[row, sl] = _slot_row(spec, output, tables, counts, req, pos)
+      sl = pl.ds((i // num_rows) * block_t, block_t)
+      slots_ref[row, sl] = _slot_row(spec, output, tables, counts, req_ref[sl], pos_ref[sl])
 
   if num_mapped:
     @pl.when(i >= num_token_programs)
@@ -152,7 +154,7 @@ def compute_step_metadata(
     kernel_block_tables: tuple[Int[Array, "R Wk"] | None, ...] | None = None,
     *,
     spec: StepMetadataSpec,
-    implementation: str = "auto",
+    implementation: str | None = None,
     interpret: bool | None = None,
 ) -> StepMetadata:
   """Every group's slots and every attention group's kernel-block table for one step.
@@ -167,7 +169,7 @@ def compute_step_metadata(
       (a draft step over the same block tables keeps the step's tables).
     spec: ``StepMetadataSpec.from_plan(plan)``.
     implementation: ``"pallas"`` (one launch), ``"xla"`` (the reference) or ``"auto"`` (the kernel
-      on a GPU, the reference on the CPU).
+      on a GPU, the reference on the CPU); default: ``spec.implementation``.
 
   Returns:
     ``StepMetadata``; its kernel tables are all None when ``kernel_block_tables`` is None.
@@ -177,14 +179,14 @@ def compute_step_metadata(
     >>> meta = compute_step_metadata(tables, counts, req, pos, plan.init_kernel_block_tables(8), spec=spec)
   """
   _validate(spec, block_tables, num_blocks, req_indices, positions, kernel_block_tables)
-  if resolve_implementation(implementation) == "xla":
+  if resolve_implementation(implementation or spec.implementation) == "xla":
     return compute_step_metadata_reference(block_tables, num_blocks, req_indices, positions, kernel_block_tables,
                                            spec=spec)
   t = req_indices.shape[0]
   rows = block_tables[0].shape[0]
   mapped = spec.mapped_groups if kernel_block_tables is not None else ()
   block_t = min(MAX_BLOCK_T, t & -t)  # the largest power of two dividing T: no partial blocks
-  num_token_programs = t // block_t if spec.slot_outputs else 0
+  num_token_programs = (t // block_t) * len(spec.slot_outputs)
   num_programs = num_token_programs + (rows if mapped else 0)
   ns = len(spec.slot_outputs)
   kt_in = [kernel_block_tables[a] for a in mapped]
@@ -209,7 +211,7 @@ def compute_step_metadata(
   return StepMetadata(
       tuple(rows_of.get(("group", i)) for i in range(g)),
       tuple(rows_of.get(("compressed", a)) for a in range(len(spec.attention_groups))),
-      tuple(kts.get(a) for a in range(len(spec.attention_groups))))
+      tuple(kts.get(a) for a in range(len(spec.attention_groups))), spec)
 
 
 def compute_step_metadata_reference(block_tables, num_blocks, req_indices, positions, kernel_block_tables=None, *,
@@ -235,4 +237,4 @@ def compute_step_metadata_reference(block_tables, num_blocks, req_indices, posit
         kt, counts * ag.blocks_per_kernel_block, req_indices, positions, states_per_page=ag.states_per_page,
         compress_ratio=ag.compress_ratio) if ag.compressed else None)
     kts.append(kt if ag.mapped and kernel_block_tables is not None else None)
-  return StepMetadata(tuple(slots), tuple(compressed), tuple(kts))
+  return StepMetadata(tuple(slots), tuple(compressed), tuple(kts), spec)

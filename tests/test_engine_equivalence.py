@@ -91,6 +91,8 @@ VARIANTS = {
     "chunks_of_7": cfg(max_num_batched_tokens=7),  # chunks end mid-pool
     "chunks_of_13": cfg(max_num_batched_tokens=13),
     "synchronous_steps": cfg(async_scheduling=False),  # the baseline dispatches a step ahead
+    # Slots and kernel tables from the step-metadata kernel (interpreted on the CPU; the GPU's default).
+    "step_metadata_kernel": cfg(step_metadata_implementation="pallas"),
 }
 
 

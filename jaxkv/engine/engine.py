@@ -50,6 +50,10 @@ class EngineConfig:
       the tokens sampled in step n flow into step n+1 on the device, and ``step()`` returns the
       outputs of the step before. Tokens and log-probabilities are identical to synchronous
       steps. Applies without speculative tokens (a verify step needs the accepted count).
+    step_metadata_implementation: how each step's slot mappings and kernel-block tables are
+      computed (``compute_step_metadata``): ``"auto"`` (the Pallas kernel on a GPU, and on the
+      CPU when the runner's kernels are ``"pallas"``; else the jnp functions), ``"pallas"`` or
+      ``"xla"``. Identical integers either way.
   """
 
   cache: CacheConfig = CacheConfig()
@@ -57,6 +61,7 @@ class EngineConfig:
   max_num_batched_tokens: int = 64
   buckets: tuple[int, ...] | None = None
   async_scheduling: bool = True
+  step_metadata_implementation: str = "auto"
 
   @property
   def num_speculative_tokens(self) -> int:
@@ -161,8 +166,6 @@ class _StepStatics:
   def __init__(self, runner: ModelRunner, layout, metadata_spec: StepMetadataSpec, num_speculative_tokens: int,
                params_treedef):
     self.runner, self.layout, self.metadata_spec = runner, layout, metadata_spec
-    # The metadata kernel whenever on a GPU (exact either way), as the runner's switch resolves it.
-    self.metadata_implementation = gpu_kernel_implementation(getattr(runner, "implementation", "xla"))
     self.num_speculative_tokens = num_speculative_tokens
     self.params_treedef = params_treedef
     self._key = (runner, layout, metadata_spec, num_speculative_tokens, params_treedef)
@@ -217,8 +220,7 @@ def _step(statics: _StepStatics, params, caches, kernel_tables, inputs: StepInpu
   """
   runner, layout = statics.runner, statics.layout
   meta = compute_step_metadata(inputs.block_tables, inputs.num_blocks, inputs.req_indices, inputs.positions,
-                               kernel_tables, spec=statics.metadata_spec,
-                               implementation=statics.metadata_implementation)
+                               kernel_tables, spec=statics.metadata_spec)
   kernel_tables = meta.kernel_block_tables
   inputs = dataclasses.replace(inputs, metadata=meta)
   hidden, caches = runner.forward(params, caches, inputs, layout)
@@ -269,8 +271,11 @@ class LLMEngine:
     # Python calls per variable).
     self._param_leaves, treedef = jax.tree.flatten(runner.params)
     self._param_leaves = tuple(self._param_leaves)
-    self._statics = _StepStatics.intern(runner, runner.paged_layout(self.plan), StepMetadataSpec.from_plan(self.plan),
-                                        k, treedef)
+    meta_impl = config.step_metadata_implementation
+    if meta_impl == "auto":  # the runner's kernel switch: the kernel on a GPU, or when it asks for Pallas
+      meta_impl = gpu_kernel_implementation(getattr(runner, "implementation", "xla"))
+    meta_spec = StepMetadataSpec.from_plan(self.plan, implementation=meta_impl)
+    self._statics = _StepStatics.intern(runner, runner.paged_layout(self.plan), meta_spec, k, treedef)
     self._packings: dict[int, _PackedInputs] = {}  # by token bucket
     s, top = 1 + k, min(MAX_LOGPROBS, runner.vocab_size)
     r = config.max_num_reqs

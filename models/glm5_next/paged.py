@@ -15,8 +15,8 @@ together. Every cache is read and written in place through ``jaxkv``:
 
 Slot mappings and kernel-block tables come in ``StepInputs.metadata``, computed for the whole
 step before the model runs (``compute_step_metadata``: one launch on a GPU); the model never
-re-derives them. ``PagedLayout.from_plan(plan)`` holds each cache's resolved ``KernelView`` and
-the step-metadata spec (draft steps recompute their slots with it). The layer loop is
+re-derives them (draft steps recompute their slots with the metadata's own spec).
+``PagedLayout.from_plan(plan)`` holds each cache's resolved ``KernelView``. The layer loop is
 the reference model's own (``Glm5NextForCausalLM.hidden_states``), with the cached attention
 injected.
 """
@@ -32,7 +32,6 @@ from jaxtyping import Array, Float, Int
 from jaxkv.kernel_view import KernelView
 from jaxkv.kv_cache_config import KVCacheConfig
 from jaxkv.step_inputs import StepInputs
-from jaxkv.step_metadata import StepMetadataSpec
 from models.glm5_next.model import Glm5NextForCausalLM, KimiDeltaAttention
 from pallas_kernels.cache_write import encode_entries, write_to_paged_cache
 from pallas_kernels._common import gpu_kernel_implementation
@@ -49,20 +48,17 @@ _HP = jax.lax.Precision.HIGHEST
 
 @dataclasses.dataclass(frozen=True)
 class PagedLayout:
-  """The static facts the step needs of a plan: each cache's ``KernelView``, the cache dtypes and
-  the step-metadata spec."""
+  """The static facts the step needs of a plan: each cache's ``KernelView`` and the cache dtypes."""
 
   kv_cache_dtype: str
   indexer_cache_dtype: str
   state_dtype: str
   views: tuple[KernelView, ...]
-  step_metadata: StepMetadataSpec
 
   @classmethod
   def from_plan(cls, plan: KVCacheConfig) -> PagedLayout:
     cc = plan.cache_config
-    return cls(cc.kv_cache_dtype, cc.indexer_cache_dtype, cc.state_dtype, plan.views,
-               StepMetadataSpec.from_plan(plan))
+    return cls(cc.kv_cache_dtype, cc.indexer_cache_dtype, cc.state_dtype, plan.views)
 
   def view(self, name: str) -> KernelView:
     for v in self.views:

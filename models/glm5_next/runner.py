@@ -21,7 +21,6 @@ from models.glm5_next.config import BUILTIN_CONFIGS, Glm5NextConfig, get_config,
 from models.glm5_next.kv_cache import get_kv_cache_layers
 from models.glm5_next.model import Glm5NextForCausalLM
 from models.glm5_next.paged import PagedLayout, paged_hidden_states, paged_mtp_forward
-from pallas_kernels._common import gpu_kernel_implementation
 from pallas_kernels.grouped_matmul import prepare_grouped_matmul
 from pallas_kernels.step_metadata import compute_step_metadata
 
@@ -90,8 +89,7 @@ class Glm5NextRunner:
     drafts = [jnp.argmax(model.logits(h), axis=-1).astype(jnp.int32)]
     for j in range(1, num_drafts):
       # Same block tables, new tokens: new slots, the step's kernel tables.
-      meta = compute_step_metadata(inputs.block_tables, inputs.num_blocks, rows, pos + j, spec=layout.step_metadata,
-                                   implementation=gpu_kernel_implementation(impl))
+      meta = compute_step_metadata(inputs.block_tables, inputs.num_blocks, rows, pos + j, spec=inputs.metadata.spec)
       meta = dataclasses.replace(meta, kernel_block_tables=inputs.metadata.kernel_block_tables)
       step = dataclasses.replace(inputs, input_ids=drafts[-1], positions=pos + j, req_indices=rows, metadata=meta)
       h, caches, _ = paged_mtp_forward(model, caches, h, drafts[-1], step, layout, implementation=impl,
