@@ -70,6 +70,15 @@ def cmd_inspect(args) -> int:
     sys.stdout.write("\n")
   else:
     sys.stdout.write(render_plan(plan, family.describe(config, cache)))
+  if args.plot:
+    from jaxkv.kv_cache_plot import plot_block
+
+    try:
+      plot_block(plan, args.plot)
+    except RuntimeError as e:  # matplotlib missing
+      print(f"jaxkv inspect: error: {e}", file=sys.stderr)
+      return 2
+    print(f"wrote {args.plot}", file=sys.stderr)
   return 0
 
 
@@ -291,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--num-spec", type=int, default=0, help="MTP speculative tokens per step: adds the MTP layer's caches, widens the tail ring, "
                  "gives each KDA state one slot per draft")
   p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+  p.add_argument("--plot", metavar="FILE", default=None,
+                 help="also draw one block (layers' pages, kernel pages, alignment padding) into FILE (.png, .svg; "
+                      "needs matplotlib: the 'plot' extra)")
   p.set_defaults(func=cmd_inspect)
 
   g = sub.add_parser("generate", help="generate tokens (default: the embedded tiny random model)",
