@@ -99,3 +99,34 @@ def test_a_model_larger_than_the_machine_is_refused_before_it_is_built(capsys, m
   assert 550 < gib < 700  # the released model in bf16 (about 305 B parameters)
   # What fits is built as before.
   assert main(["generate", "--max-new-tokens", "1", "--json"]) == 0
+
+
+def test_readme_python_examples_run(capsys):
+  """The README's ``python`` blocks, as a newcomer would paste them."""
+  import pathlib
+  import re
+
+  readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+  blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+  assert len(blocks) >= 2
+  for block in blocks:
+    exec(compile(block, "README.md", "exec"), {})
+  out = capsys.readouterr().out
+  assert "KV-cache plan" in out and re.search(r"\[\d+(, \d+){7}\]", out)
+
+
+def test_inspect_plot_draws_a_block(tmp_path, capsys):
+  path = tmp_path / "block.png"
+  assert main(["inspect", "--config", "glm-5.3-flash-tiny", "--block-size", "256", "--memory-gib", "0.05",
+               "--plot", str(path)]) == 0
+  assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  from jaxkv.kv_cache_plot import block_segments
+  from kernel_utils import tiny_plan
+
+  _, plan = tiny_plan(layout="packed", block_size=256)
+  segs = block_segments(plan)
+  # Every layer's page lies inside the arena row; the token group holds the latents and pooled keys.
+  for group in segs.values():
+    for s in group:
+      assert 0 <= s["start"] and s["start"] + s["bytes"] <= plan.bytes_per_block
+  assert {s["kind"] for s in segs[0]} == {"mla", "indexer"}
