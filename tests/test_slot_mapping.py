@@ -1,6 +1,9 @@
 """Slot mappings: padding, DCP, disabled groups, the tail ring, compressed caches (ports of vLLM's
 test_gpu_block_table.py and test_kpool_tail_slot_mapping.py)."""
 
+import functools
+
+import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,8 +13,10 @@ from jaxkv import (
     compute_circular_slot_mapping,
     compute_compressed_slot_mapping,
     compute_slot_mapping,
+    map_to_kernel_blocks,
     req_indices_from_query_start_loc,
 )
+from jaxkv.slot_mapping import circular_slots, compressed_slots, split_block_lookup, token_slots
 
 
 def i32(x):
@@ -116,3 +121,46 @@ def test_req_indices_from_query_start_loc():
   qsl = i32([0, 3, 3, 7, 7, 7])
   got = req_indices_from_query_start_loc(qsl, jnp.int32(3), num_tokens=10)
   np.testing.assert_array_equal(got, [0, 0, 0, 2, 2, 2, 2, -1, -1, -1])
+
+
+class SlotFormulasTest(chex.TestCase):
+  """The unjitted formulas (``token_slots``, ``circular_slots``, ``compressed_slots``) that the jitted
+  functions and the step-metadata kernel share, traced and eager (``chex.variants``), against
+  loops over the definitions."""
+
+  def setUp(self):
+    super().setUp()
+    rng = np.random.default_rng(11)
+    self.table = rng.permutation(np.arange(1, 40))[:12].reshape(3, 4).astype(np.int32)
+    self.counts = np.array([4, 2, 0], np.int32)
+    self.req = rng.integers(-1, 4, 50).astype(np.int32)
+    self.pos = rng.integers(-2, 20, 50).astype(np.int32)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_token_slots(self):
+    fn = self.variant(functools.partial(token_slots, block_size=4))
+    got = np.asarray(fn(i32(self.table), i32(self.counts), i32(self.req), i32(self.pos)))
+    chex.assert_shape(got, self.pos.shape)
+    for t, (r, p) in enumerate(zip(self.req, self.pos)):
+      live = 0 <= r < 3 and p >= 0 and p // 4 < self.counts[r]
+      assert got[t] == (self.table[r, p // 4] * 4 + p % 4 if live else -1)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_circular_slots(self):
+    fn = self.variant(functools.partial(circular_slots, ring_size=8))
+    got = np.asarray(fn(i32(self.table), i32(self.req), i32(self.pos)))
+    for t, (r, p) in enumerate(zip(self.req, self.pos)):
+      assert got[t] == (self.table[r, 0] * 8 + p % 8 if 0 <= r < 3 and p >= 0 else -1)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_compressed_slots_from_the_manager_table_equal_those_from_the_kernel_table(self):
+    bpk, stride = 2, 5
+    def from_manager(table, counts, req, pos):
+      return compressed_slots(split_block_lookup(table, counts, blocks_per_kernel_block=bpk, stride=stride), req, pos,
+                              states_per_page=2, compress_ratio=2)
+    got = self.variant(from_manager)(i32(self.table), i32(self.counts), i32(self.req), i32(self.pos))
+    kt = map_to_kernel_blocks(i32(self.table), bpk, stride)
+    want = compute_compressed_slot_mapping(kt, i32(self.counts * bpk), i32(self.req), i32(self.pos),
+                                           states_per_page=2, compress_ratio=2)
+    chex.assert_trees_all_equal(got, want)
+    assert (np.asarray(want) >= 0).any()
