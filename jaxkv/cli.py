@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import re
 import sys
@@ -192,7 +193,8 @@ def cmd_generate(args) -> int:
                              "logprobs": [[[i, v] for i, v in step] for step in r.output_logprobs]} for r in reqs],
                "steps": engine.num_steps, "compilations": engine.num_compilations,
                "preemptions": engine.scheduler.num_preemptions, "num_spec": args.num_spec,
-               "draft_tokens": engine.num_draft_tokens, "accepted_tokens": engine.num_accepted_tokens}, sys.stdout)
+               "draft_tokens": engine.num_draft_tokens, "accepted_tokens": engine.num_accepted_tokens,
+               **({"acceptance_note": _RANDOM_DRAFTS} if args.num_spec and not args.model_path else {})}, sys.stdout)
     sys.stdout.write("\n")
   else:
     for i, r in enumerate(reqs):
@@ -201,8 +203,13 @@ def cmd_generate(args) -> int:
         if lps:
           print(f"     {step}: " + ", ".join(f"{t}:{v:.4f}" for t, v in lps))
     if args.num_spec:
-      print(f"drafts: {engine.num_accepted_tokens}/{engine.num_draft_tokens} accepted in {engine.num_steps} steps")
+      print(f"drafts: {engine.num_accepted_tokens}/{engine.num_draft_tokens} accepted in {engine.num_steps} steps"
+            + ("" if args.model_path else f" ({_RANDOM_DRAFTS})"))
   return 0
+
+
+_RANDOM_DRAFTS = ("random weights: the MTP layer's drafts are unrelated to the model's tokens, so almost none are "
+                  "accepted; acceptance means something with --model-path and a trained checkpoint")
 
 
 def cmd_bench(args) -> int:
@@ -224,6 +231,8 @@ def cmd_bench(args) -> int:
                                profile_steps=profile_steps),
             "implementation": args.implementation, "layout": args.layout, "block_size": args.block_size,
             "dtype": args.dtype}
+  if args.num_spec and not args.model_path:
+    result["acceptance_note"] = _RANDOM_DRAFTS
   if args.json:
     print(json.dumps(result))
     return 0
@@ -257,48 +266,73 @@ def _int_list(text: str) -> tuple[int, ...]:
     raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
 
 
+# The cache options of every command, from one place. inspect plans the released model (its
+# defaults are a GPU's); generate and bench run the embedded tiny model on any machine.
+_CACHE_DEFAULTS = {
+    "inspect": dict(block_size=1024, memory_gib=80.0, dtype="bfloat16", kv_cache_dtype="bfloat16",
+                    indexer_cache_dtype="fp8"),
+    "engine": dict(block_size=256, memory_gib=0.0625, dtype="float32", kv_cache_dtype="float32",
+                   indexer_cache_dtype="float32"),
+}
+_CACHE_DTYPES = ("float32", "bfloat16", "fp8")
+
+
+def _add_cache_args(p: argparse.ArgumentParser, kind: str) -> None:
+  d = _CACHE_DEFAULTS[kind]
+  p.add_argument("--block-size", type=_positive, default=d["block_size"],
+                 help="KV-cache manager block size in tokens (rounded up to what every group needs)")
+  p.add_argument("--kernel-block-size", type=_positive, default=None,
+                 help="split token caches into kernel blocks of this many tokens (dense layout; default: no split)")
+  p.add_argument("--layout", choices=("packed", "dense"), default="packed",
+                 help="packed: one arena row per block holds every layer's pages; dense: one array per layer")
+  p.add_argument("--memory-gib", type=float, default=d["memory_gib"], help="KV-cache memory budget in GiB")
+  p.add_argument("--max-model-len", type=_positive, default=None, help="longest request (default: the model's maximum)")
+  p.add_argument("--dtype", choices=("float32", "bfloat16"), default=d["dtype"],
+                 help="model dtype: weights, tail rings and KDA conv windows")
+  p.add_argument("--kv-cache-dtype", choices=_CACHE_DTYPES, default=d["kv_cache_dtype"], help="MLA latent cache")
+  p.add_argument("--indexer-cache-dtype", choices=_CACHE_DTYPES, default=d["indexer_cache_dtype"],
+                 help="pooled indexer key cache")
+  p.add_argument("--num-spec", type=int, default=0,
+                 help="MTP speculative tokens per step (0: off): adds the MTP layer's caches, widens the tail "
+                      "ring, gives each KDA state one slot per draft")
+
+
 def _add_engine_args(p):
   _add_model_args(p, "glm-5.3-flash-tiny")
-  p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights and state dtype")
+  _add_cache_args(p, "engine")
   p.add_argument("--seed", type=int, default=0, help="random weights and sampling seed")
   p.add_argument("--force", action="store_true",
                  help="build the model even when its weights and KV cache exceed the device's memory")
-  p.add_argument("--block-size", type=int, default=256)
-  p.add_argument("--kernel-block-size", type=int, default=None, help="split token caches into kernel blocks (dense)")
-  p.add_argument("--layout", choices=("dense", "packed"), default="packed")
-  p.add_argument("--memory-gib", type=float, default=0.0625, help="KV-cache budget in GiB (default 64 MiB)")
-  p.add_argument("--max-model-len", type=int, default=None)
-  p.add_argument("--max-num-reqs", type=_positive, default=8)
+  p.add_argument("--max-num-reqs", type=_positive, default=8, help="request rows per step")
   p.add_argument("--max-num-batched-tokens", type=_positive, default=64, help="token budget per step")
-  p.add_argument("--kv-cache-dtype", choices=("float32", "bfloat16", "fp8"), default="float32")
-  p.add_argument("--indexer-cache-dtype", choices=("float32", "bfloat16", "fp8"), default="float32")
-  p.add_argument("--implementation", choices=("xla", "pallas"), default="xla", help="kernels")
-  p.add_argument("--num-spec", type=int, default=0,
-                 help="MTP speculative tokens per step (0: off; the model needs its MTP layer)")
+  p.add_argument("--implementation", choices=("xla", "pallas"), default="xla",
+                 help="attention kernels: the XLA reference path, or the Pallas kernels (interpret mode on a CPU)")
   p.add_argument("--check-weights", action="store_true",
                  help="refuse a checkpoint whose tensors hold NaN or infinite values (one pass over the weights)")
   p.add_argument("--buckets", type=_int_list, default=None,
                  help="step token counts to compile, e.g. 32,512 (default: powers of two up to the budget)")
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+  """Shows each flag's default, unless it has none (None, False) or its help already says it."""
+
+  def _get_help_string(self, action):
+    text = action.help or ""
+    none = action.default is None or action.default is False or action.default is argparse.SUPPRESS
+    if not none and "default" not in text and action.option_strings:
+      text += " (default: %(default)s)"
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="jaxkv", description="Paged KV-cache management for JAX/Pallas LLM inference.")
   sub = parser.add_subparsers(dest="command", required=True)
+  sub.add_parser = functools.partial(sub.add_parser, formatter_class=_HelpFormatter)
   p = sub.add_parser("inspect", help="print the KV-cache plan of a model",
                      description="Plan the KV cache of a glm5_next model: groups, specs, page bytes, manager and "
                                  "kernel block sizes, strides, alignments, bytes per block, number of blocks.")
   _add_model_args(p, "glm-5.3-flash")
-  p.add_argument("--block-size", type=int, default=1024, help="manager block size in tokens (default 1024)")
-  p.add_argument("--kernel-block-size", type=int, default=None, help="split token caches into kernel blocks of this size")
-  p.add_argument("--memory-gib", type=float, default=80.0, help="KV-cache memory budget in GiB (default 80)")
-  p.add_argument("--max-model-len", type=int, default=None, help="longest request (default: the model's maximum)")
-  p.add_argument("--layout", choices=("dense", "packed"), default="packed", help="cache layout (default packed)")
-  p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
-                 help="model dtype: tail rings and KDA conv windows (default bfloat16)")
-  p.add_argument("--kv-cache-dtype", choices=("bfloat16", "float32", "fp8"), default="bfloat16")
-  p.add_argument("--indexer-cache-dtype", choices=("fp8", "bfloat16", "float32"), default="fp8")
-  p.add_argument("--num-spec", type=int, default=0, help="MTP speculative tokens per step: adds the MTP layer's caches, widens the tail ring, "
-                 "gives each KDA state one slot per draft")
+  _add_cache_args(p, "inspect")
   p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
   p.add_argument("--plot", metavar="FILE", default=None,
                  help="also draw one block (layers' pages, kernel pages, alignment padding) into FILE (.png, .svg; "
@@ -313,9 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
   src.add_argument("--prompt", help="text, encoded with the checkpoint's tokenizer.json")
   src.add_argument("--batch-file", help="JSON list of token-id lists, one request each")
   g.add_argument("--batch", type=_positive, default=None, help="copies of the prompt (default 1)")
-  g.add_argument("--max-new-tokens", type=_positive, default=8)
-  g.add_argument("--temperature", type=float, default=0.0)
-  g.add_argument("--top-p", type=float, default=1.0)
+  g.add_argument("--max-new-tokens", type=_positive, default=8, help="tokens to generate per request")
+  g.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampling with --top-p")
+  g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --temperature > 0)")
   g.add_argument("--logprobs", type=int, default=0, help="top-k log-probabilities per token (up to 20)")
   g.add_argument("--stop-at-eos", action="store_true", help="stop at the config's eos ids")
   g.add_argument("--json", action="store_true", help="tokens and logprobs per request as one JSON object")
@@ -325,10 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
   b = sub.add_parser("bench", help="decode throughput, step latency percentiles and compile count",
                      description="Prefill a batch of random prompts, then time every decode step.")
   _add_engine_args(b)
-  b.add_argument("--batch", type=_positive, default=4)
+  b.add_argument("--batch", type=_positive, default=4, help="requests decoding together")
   b.add_argument("--context", type=_positive, default=64, help="prompt tokens per request")
   b.add_argument("--steps", type=_positive, default=32, help="decode steps to time, every request decoding")
-  b.add_argument("--json", action="store_true")
+  b.add_argument("--json", action="store_true", help="the results as one JSON object")
   b.add_argument("--profile", metavar="DIR", default=None,
                  help="after the timed steps, trace 8 more with jax.profiler into DIR and print the heaviest kernels")
   b.set_defaults(func=cmd_bench)

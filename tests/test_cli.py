@@ -45,6 +45,7 @@ def test_generate_json_on_the_embedded_model(capsys):
   assert main(["generate", "--prompt-ids", "5,6,7,8,9,10", "--max-new-tokens", "3", "--num-spec", "2", "--json"]) == 0
   spec = json.loads(capsys.readouterr().out)
   assert spec["requests"][0]["output_token_ids"] == a["output_token_ids"] and spec["draft_tokens"] > 0
+  assert "random weights" in spec["acceptance_note"]  # why (almost) no draft is accepted
   assert main(["generate", "--prompt", "hello"]) == 2  # no tokenizer for a random model
   assert "--prompt-ids" in capsys.readouterr().err
 
@@ -130,3 +131,19 @@ def test_inspect_plot_draws_a_block(tmp_path, capsys):
     for s in group:
       assert 0 <= s["start"] and s["start"] + s["bytes"] <= plan.bytes_per_block
   assert {s["kind"] for s in segs[0]} == {"mla", "indexer"}
+
+
+def test_every_flag_has_help_and_the_cache_flags_come_from_one_place():
+  from jaxkv.cli import build_parser
+
+  parser = build_parser()
+  commands = parser._subparsers._group_actions[0].choices
+  cache_flags = {"--block-size", "--kernel-block-size", "--layout", "--memory-gib", "--max-model-len", "--dtype",
+                 "--kv-cache-dtype", "--indexer-cache-dtype", "--num-spec"}
+  for name, sub in commands.items():
+    flags = {f: a for a in sub._actions for f in a.option_strings}
+    missing = [f for f, a in flags.items() if not a.help]
+    assert not missing, (name, missing)
+    assert cache_flags <= set(flags), name
+    # Same choices and help everywhere; only the defaults differ (inspect plans the released model).
+    assert flags["--kv-cache-dtype"].choices == commands["inspect"]._option_string_actions["--kv-cache-dtype"].choices

@@ -129,3 +129,11 @@ def test_moe_combines_without_a_float_scatter_add(model):
   eqns = [str(e) for e in jax.make_jaxpr(moe)(x).eqns]
   assert any("scatter" in e for e in eqns)  # the unsort is an integer scatter
   assert not [e for e in eqns if "scatter-add" in e and "f32[" in e.split("=")[0]]
+
+
+def test_random_weights_need_an_explicit_rngs():
+  cfg = get_config("glm-5.3-flash-tiny")
+  with pytest.raises(TypeError, match="rngs"):
+    Glm5NextForCausalLM(cfg)  # zeros only when asked for (rngs=None), never by default
+  zeros = Glm5NextForCausalLM(cfg, rngs=None)
+  assert not np.asarray(zeros.lm_head[...]).any()

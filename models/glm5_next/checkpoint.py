@@ -120,7 +120,7 @@ def load_checkpoint(model_path: str | pathlib.Path, *, dtype=None,
     import dataclasses
 
     config = dataclasses.replace(config, num_nextn_predict_layers=0)
-  abstract = nnx.eval_shape(lambda: Glm5NextForCausalLM(config, dtype=dtype or jnp.float32))
+  abstract = nnx.eval_shape(lambda: Glm5NextForCausalLM(config, dtype=dtype or jnp.float32, rngs=None))
   graphdef, state = nnx.split(abstract)
   flat = nnx.to_flat_state(state)
   used: set[str] = set()

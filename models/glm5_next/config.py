@@ -1,7 +1,7 @@
 """GLM-5.3-Flash (``glm5_next``) text configuration, parsed from HF ``config.json`` (JSON only).
 
 Built-in configs: ``glm-5.3-flash`` (the released text tower), ``glm-5.3-flash-tiny`` (every
-mechanism at CPU-test size, ``docs/glm-5.3-flash-architecture.md`` section 8),
+mechanism at CPU-test size, docs/model.md),
 ``glm-5.3-flash-mini`` (released indexer and latent shapes in 8 narrower layers) and
 ``glm-5.3-flash-slice4`` (the released dimensions in 4 layers: the HF peer benchmark's model).
 """

@@ -1,7 +1,8 @@
 """GLM-5.3-Flash text tower in Flax NNX: the reference forward over whole sequences (no caches).
 
 This is the definition the paged path is checked against; it follows HF transformers 5.24's
-no-cache forward (``docs/glm-5.3-flash-architecture.md``). Parameter names mirror the checkpoint
+no-cache forward (``transformers/models/glm5_next/modeling_glm5_next.py``; the layers, in this
+repository: ``docs/model.md``). Parameter names mirror the checkpoint
 (``model.language_model.layers.L.self_attn.q_proj.weight`` is ``layers[L].self_attn.q_proj.weight``),
 matrices are stored ``[out, in]`` as in PyTorch, except the routed experts, stacked ``[E, in, out]``
 for the grouped matmul (transposed once at load).
@@ -506,11 +507,16 @@ class Glm5NextForCausalLM(nnx.Module):
   """The text tower (+ the MTP layer when ``num_nextn_predict_layers`` > 0).
 
   Args:
-    rngs: random initialization with scales that make routing, clamps, pooling and mHC move
-      (docs/glm-5.3-flash-architecture.md section 8); None allocates zeros for a checkpoint load.
+    rngs: required: ``nnx.Rngs(seed)`` draws random weights (normal, mostly std 0.1: scales that
+      make routing, clamps, pooling and mHC move at test size, docs/model.md); ``None`` allocates
+      zeros for a checkpoint to fill (``load_checkpoint``). No default: zeros are never a surprise.
+
+  Example:
+    >>> model = Glm5NextForCausalLM(get_config("glm-5.3-flash-tiny"), rngs=nnx.Rngs(0))
+    >>> logits = model(jnp.asarray([[1, 2, 3]]))[0]  # [B, T, V]
   """
 
-  def __init__(self, config: Glm5NextConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+  def __init__(self, config: Glm5NextConfig, *, rngs: nnx.Rngs | None, dtype=jnp.float32):
     self.config = config
     d = config.hidden_size
     self.embed_tokens = _param(rngs, (config.vocab_size, d), dtype, std=1.0)
