@@ -230,6 +230,10 @@ def compute_step_metadata_reference(block_tables, num_blocks, req_indices, posit
                                         dcp_interleave=spec.dcp_interleave))
   compressed, kts = [], []
   for a, ag in enumerate(spec.attention_groups):
+    if not (ag.mapped or ag.compressed):
+      compressed.append(None)
+      kts.append(None)
+      continue
     table, counts = block_tables[ag.kv_cache_group_id], num_blocks[ag.kv_cache_group_id]
     buf = kernel_block_tables[a] if kernel_block_tables is not None else None
     kt = map_to_kernel_blocks(table, ag.blocks_per_kernel_block, ag.stride, buf)

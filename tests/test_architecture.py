@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import jaxkv.attention_group
+import pallas_kernels.step_metadata
+from jaxkv import StepMetadataSpec
 from jaxkv.cli import main
 from jaxkv.engine import SamplingParams
 from jaxkv.kernel_blocks import map_to_kernel_blocks_reference
@@ -47,22 +48,29 @@ def test_imports_read_top_to_bottom():
 
 
 def test_step_maps_kernel_blocks_through_the_attention_groups(monkeypatch):
+  """One metadata computation per step, its spec taken from the plan's attention groups (on the
+  CPU through the jnp reference, whose table mapping is counted here)."""
   calls = []
-  real = jaxkv.attention_group.map_to_kernel_blocks
+  real = pallas_kernels.step_metadata.map_to_kernel_blocks
 
   def counting(*args, **kw):
     calls.append(args[1:3])
     return real(*args, **kw)
 
-  monkeypatch.setattr(jaxkv.attention_group, "map_to_kernel_blocks", counting)
+  monkeypatch.setattr(pallas_kernels.step_metadata, "map_to_kernel_blocks", counting)
   # A bucket no other test compiles, so the step is traced here.
   engine = LLMEngine(runner(), cfg(layout="dense", kernel_block_size=64, buckets=(40,), max_num_batched_tokens=40))
   split = [(i, ag) for i, ag in enumerate(engine.plan.attention_groups) if ag.kernel_block_size]
   assert split and all(t is None for i, t in enumerate(engine.kernel_tables) if i not in dict(split))
+  spec = engine._statics.metadata_spec
+  assert spec == StepMetadataSpec.from_plan(engine.plan, implementation="xla")
+  assert [a for a, _ in split] == list(spec.mapped_groups)
   for i, p in enumerate(prompts()):
     engine.add_request(str(i), p, SamplingParams(max_new_tokens=8))
   engine.step()
-  assert sorted(calls) == sorted((ag.blocks_per_kernel_block, ag.stride) for _, ag in split)  # once per group
+  # Once per group with a split or a compressed cache (the pooled keys' slots read its table).
+  mapped = [(ag.blocks_per_kernel_block, ag.stride) for ag in spec.attention_groups if ag.mapped or ag.compressed]
+  assert sorted(calls) == sorted(mapped)
   for _ in range(3):
     before = engine.kernel_tables
     engine.step()
@@ -71,7 +79,7 @@ def test_step_maps_kernel_blocks_through_the_attention_groups(monkeypatch):
       want = map_to_kernel_blocks_reference(engine.tables[ag.kv_cache_group_id].block_table,
                                             ag.blocks_per_kernel_block, ag.stride)
       np.testing.assert_array_equal(np.asarray(engine.kernel_tables[i]), want)
-  assert len(calls) == len(split)  # steady steps reuse the one trace
+  assert len(calls) == len(mapped)  # steady steps reuse the one trace
 
 
 def test_inspect_and_the_engine_print_the_same_plan(capsys):
