@@ -196,7 +196,7 @@ def _device_step(statics: _StepStatics, packing: _PackedInputs, param_leaves, ca
   src = v["prev_token_index"]
   input_ids = jnp.where(src >= 0, prev_out[jnp.maximum(src, 0)], v["input_ids"])
   inputs = StepInputs(input_ids, v["positions"], v["req_indices"], tuple(v[f"table{g}"] for g in groups),
-                      tuple(v[f"count{g}"] for g in groups), None, v["state_slots"])
+                      tuple(v[f"count{g}"] for g in groups), None, v["state_slots"])  # metadata: _step's first act
   params = jax.tree.unflatten(statics.params_treedef, param_leaves)
   out, caches, kernel_tables = _step(statics, params, caches, kernel_tables, inputs, v["sample_indices"], v["next_ids"],
                                      v["draft_ids"], v["num_drafts"], v["temperature_f32"], v["top_p_f32"], v["seeds"],
