@@ -23,7 +23,8 @@ _FLAGS = {
     "block_size": "--block-size", "layout='dense'": "--layout dense", "layout": "--layout",
     "num_speculative_tokens": "--num-spec", "max_num_batched_tokens": "--max-num-batched-tokens",
     "max_num_reqs": "--max-num-reqs", "kv_cache_dtype": "--kv-cache-dtype",
-    "indexer_cache_dtype": "--indexer-cache-dtype",
+    "indexer_cache_dtype": "--indexer-cache-dtype", "tensor_parallel_size": "--tensor-parallel-size",
+    "data_parallel_size": "--data-parallel-size",
 }
 _FLAG_RE = re.compile(r"\b(" + "|".join(re.escape(k) for k in sorted(_FLAGS, key=len, reverse=True)) + r")(?![\w'])")
 
@@ -62,15 +63,48 @@ def plan_from_args(args):
   return family, config, cache, plan_kv_cache(family.get_kv_cache_layers(config, cache), cache)
 
 
+def _per_device(args, family, config, cache) -> dict | None:
+  """One device's share under --tensor-parallel-size / --data-parallel-size / --enable-expert-parallel."""
+  tp, dp, ep = args.tensor_parallel_size, args.data_parallel_size, args.enable_expert_parallel
+  if tp == dp == 1 and not ep:
+    return None
+  r = family.per_device(config, cache, tensor_parallel_size=tp, data_parallel_size=dp, expert_parallel=ep)
+  p = r["plan"]
+  cache_bytes = sum(t.size_bytes for t in p.tensors)
+  return {"tensor_parallel_size": tp, "data_parallel_size": dp, "expert_parallel": ep, "devices": tp * dp,
+          "weight_bytes_bf16": r["weight_bytes_bf16"], "weight_bytes_fp8": r["weight_bytes_fp8"],
+          "kv_cache_bytes": cache_bytes, "bytes_per_block": p.bytes_per_block,
+          "token_capacity_per_replica": p.token_capacity,
+          "max_num_full_length_requests_per_replica": p.max_num_full_length_requests,
+          "total_bytes_bf16": r["weight_bytes_bf16"] + cache_bytes, "total_bytes_fp8": r["weight_bytes_fp8"] + cache_bytes}
+
+
+def _render_per_device(d: dict) -> str:
+  gib = lambda n: f"{n / 2**30:,.2f} GiB"
+  ep = "on" if d["expert_parallel"] else "off"
+  return (f"\nPer device, {d['devices']} devices (tensor {d['tensor_parallel_size']} x data "
+          f"{d['data_parallel_size']}, expert parallel {ep}):\n"
+          f"  weights              {gib(d['weight_bytes_bf16'])} bf16, {gib(d['weight_bytes_fp8'])} fp8\n"
+          f"  KV cache             {gib(d['kv_cache_bytes'])} ({d['bytes_per_block']:,} B per block; KDA states "
+          f"split by head, latents and pooled keys replicated)\n"
+          f"  token capacity       {d['token_capacity_per_replica']:,} tokens per data-parallel replica "
+          f"({d['max_num_full_length_requests_per_replica']} full-length requests)\n"
+          f"  needs                {gib(d['total_bytes_bf16'])} per device with bf16 weights, "
+          f"{gib(d['total_bytes_fp8'])} with fp8\n")
+
+
 def cmd_inspect(args) -> int:
   family, config, cache, plan = plan_from_args(args)
+  per_device = _per_device(args, family, config, cache)
   if args.json:
     json.dump({"model": {"num_hidden_layers": config.num_hidden_layers, "dsa_layers": list(config.dsa_layers),
                          "kda_layers": list(config.kda_layers), "index_kpool": config.index_kpool},
-               "plan": plan.describe()}, sys.stdout, indent=1)
+               "plan": plan.describe(), **({"per_device": per_device} if per_device else {})}, sys.stdout, indent=1)
     sys.stdout.write("\n")
   else:
     sys.stdout.write(render_plan(plan, family.describe(config, cache)))
+    if per_device:
+      sys.stdout.write(_render_per_device(per_device))
   if args.plot:
     from jaxkv.kv_cache_plot import plot_block
 
@@ -334,6 +368,13 @@ def build_parser() -> argparse.ArgumentParser:
   _add_model_args(p, "glm-5.3-flash")
   _add_cache_args(p, "inspect")
   p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+  p.add_argument("--tensor-parallel-size", type=_positive, default=1,
+                 help="also show one device's weights, cache and capacity with heads split over this many devices")
+  p.add_argument("--data-parallel-size", type=_positive, default=1,
+                 help="data-parallel replicas (each serves its own requests; experts split over all devices with "
+                      "--enable-expert-parallel)")
+  p.add_argument("--enable-expert-parallel", action="store_true",
+                 help="split the routed experts over all data x tensor devices instead of each over the tensor axis")
   p.add_argument("--plot", metavar="FILE", default=None,
                  help="also draw one block (layers' pages, kernel pages, alignment padding) into FILE (.png, .svg; "
                       "needs matplotlib: the 'plot' extra)")

@@ -14,13 +14,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxkv.kv_cache_config import CacheConfig, KVCacheConfig
+from jaxkv.kv_cache_config import CacheConfig, KVCacheConfig, plan_kv_cache
 from jaxkv.step_inputs import StepInputs
 from models.glm5_next.checkpoint import load_checkpoint
 from models.glm5_next.config import BUILTIN_CONFIGS, Glm5NextConfig, get_config, load_config
 from models.glm5_next.kv_cache import get_kv_cache_layers
 from models.glm5_next.model import Glm5NextForCausalLM
 from models.glm5_next.paged import PagedLayout, paged_hidden_states, paged_mtp_forward
+from models.glm5_next.sharding import per_device_weight_bytes
 from pallas_kernels.grouped_matmul import prepare_grouped_matmul
 from pallas_kernels.step_metadata import compute_step_metadata
 
@@ -123,6 +124,37 @@ class _Family:
     """Bytes of the model's weights in ``dtype``, from shapes alone (nothing is allocated)."""
     abstract = nnx.eval_shape(lambda: Glm5NextForCausalLM(config, dtype=_DTYPES[dtype], rngs=nnx.Rngs(0)))
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(abstract)))
+
+  @staticmethod
+  def per_device(config: Glm5NextConfig, cache_config: CacheConfig, *, tensor_parallel_size: int = 1,
+                 data_parallel_size: int = 1, expert_parallel: bool = False) -> dict:
+    """What one device of a ``data x tensor`` mesh holds (``jaxkv inspect --tensor-parallel-size``).
+
+    Weights split as ``models.glm5_next.sharding`` says; KDA states split by head over the tensor
+    axis, MLA latents, pooled indexer keys and tail rings replicated; ``cache_config.memory_bytes``
+    is each device's cache budget (each data-parallel replica serves its own requests).
+
+    Returns ``{"weight_bytes_bf16", "weight_bytes_fp8", "plan"}``; the plan is one device's.
+    """
+    tp, dp = tensor_parallel_size, data_parallel_size
+    if tp < 1 or dp < 1:
+      raise ValueError(f"tensor_parallel_size {tp} and data_parallel_size {dp} must be >= 1.")
+    heads = {"num_attention_heads": config.num_attention_heads, "index_n_heads": config.index_n_heads,
+             "linear_num_heads": config.linear_num_heads}
+    bad = {k: v for k, v in heads.items() if v % tp}
+    if bad:
+      raise ValueError(f"tensor_parallel_size {tp} must divide every head count; it does not divide {bad}.")
+    if expert_parallel and config.n_routed_experts % (tp * dp):
+      raise ValueError(f"expert parallelism deals {config.n_routed_experts} experts over {tp * dp} devices "
+                       f"(tensor {tp} x data {dp}), which does not divide them.")
+    abstract = nnx.eval_shape(lambda: Glm5NextForCausalLM(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    shapes = [(".".join(map(str, k)), tuple(v.get_value().shape), v.get_value().dtype.itemsize)
+              for k, v in nnx.to_flat_state(nnx.state(abstract))]
+    kw = dict(tensor_parallel_size=tp, data_parallel_size=dp, expert_parallel=expert_parallel)
+    local = dataclasses.replace(config, linear_num_heads=config.linear_num_heads // tp)
+    return {"weight_bytes_bf16": per_device_weight_bytes(shapes, weight_format="bf16", **kw),
+            "weight_bytes_fp8": per_device_weight_bytes(shapes, weight_format="fp8", **kw),
+            "plan": plan_kv_cache(get_kv_cache_layers(local, cache_config), cache_config)}
 
   @staticmethod
   def describe(config: Glm5NextConfig, cache_config: CacheConfig) -> str:

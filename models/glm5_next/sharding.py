@@ -1,0 +1,94 @@
+"""How GLM-5.3-Flash's weights split over a ``("data", "tensor")`` device mesh, as ``PartitionSpec``s.
+
+vLLM's split, by parameter: heads and MLP intermediates over the tensor axis (column-parallel
+inputs, row-parallel outputs), the vocabulary of the embedding and the head over the tensor axis,
+and the routed experts either split over the tensor axis along their intermediate dim or, with
+expert parallelism, one share of the experts per device over all data x tensor devices. What all
+heads share (the low-rank down projections of MLA and KDA, the indexer's single key head, norms,
+the router, mHC, the MTP's ``eh_proj``) is replicated. ``per_device_weight_bytes`` counts what one
+device holds, in bf16 or in fp8 (e4m3 matrices with one float32 scale per 128 x 128 block, the
+layout of the released fp8 checkpoints; norms, router, mHC, embedding and head stay bf16).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from jax.sharding import PartitionSpec as P
+
+__all__ = ["DATA", "TENSOR", "partition_spec", "per_device_weight_bytes"]
+
+DATA, TENSOR = "data", "tensor"
+_EXPERTS = (DATA, TENSOR)
+
+# (pattern on the parameter path, spec without expert parallelism, spec with it).
+_RULES = [
+    (r"^(embed_tokens|lm_head)$", P(TENSOR, None), None),
+    (r"mlp\.experts_(gate|up)$", P(None, None, TENSOR), P(_EXPERTS, None, None)),
+    (r"mlp\.experts_down$", P(None, TENSOR, None), P(_EXPERTS, None, None)),
+    (r"\.(gate_proj|up_proj)\.weight$", P(TENSOR, None), None),  # dense and shared-expert MLPs
+    (r"\.down_proj\.weight$", P(None, TENSOR), None),
+    (r"self_attn\.(q_b_proj|kv_b_proj)\.weight$", P(TENSOR, None), None),  # MLA heads
+    (r"self_attn\.o_proj\.weight$", P(None, TENSOR), None),  # MLA and KDA outputs
+    (r"indexer\.(wq_b|weights_proj)\.weight$", P(TENSOR, None), None),  # indexer heads
+    (r"self_attn\.(q_proj|k_proj|v_proj|f_b_proj|g_b_proj|b_proj)\.weight$", P(TENSOR, None), None),  # KDA heads
+    (r"self_attn\.[qkv]_conv1d$", P(TENSOR, None, None), None),
+    (r"self_attn\.(A_log|dt_bias)$", P(TENSOR), None),
+]
+_FP8_EXCLUDED = re.compile(r"^(embed_tokens|lm_head)$|_hc\.|mlp\.gate_weight$")
+_FP8_BLOCK = 128
+
+
+def partition_spec(name: str, shape: tuple[int, ...], *, expert_parallel: bool = False) -> P:
+  """The ``PartitionSpec`` of parameter ``name`` (a path such as ``layers.3.self_attn.q_proj.weight``)."""
+  for pattern, spec, ep_spec in _RULES:
+    if re.search(pattern, name):
+      spec = ep_spec if expert_parallel and ep_spec is not None else spec
+      if len(spec) != len(shape):
+        raise ValueError(f"sharding rule {pattern!r} is for {len(spec)}-d parameters; {name} is {list(shape)}.")
+      return spec
+  return P(*([None] * len(shape)))
+
+
+def _shards(spec: P, axis_sizes: dict[str, int]) -> list[int]:
+  out = []
+  for entry in spec:
+    names = entry if isinstance(entry, tuple) else (entry,) if entry else ()
+    out.append(math.prod(axis_sizes[n] for n in names))
+  return out
+
+
+def per_device_weight_bytes(named_shapes, *, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+                            expert_parallel: bool = False, weight_format: str = "bf16") -> int:
+  """Bytes of weights one device holds.
+
+  Args:
+    named_shapes: ``(name, shape, itemsize)`` of every parameter (``Glm5NextForCausalLM`` in bf16
+      under ``nnx.eval_shape``: nothing is allocated; a few small ones stay float32).
+    weight_format: ``"bf16"`` (each parameter at its own itemsize) or ``"fp8"``.
+
+  Raises:
+    ValueError: a split dimension does not divide by its shards (naming the parameter, the
+      dimension and the sizes).
+  """
+  if weight_format not in ("bf16", "fp8"):
+    raise ValueError(f"weight_format must be 'bf16' or 'fp8', got {weight_format!r}.")
+  axes = {TENSOR: tensor_parallel_size, DATA: data_parallel_size}
+  total = 0
+  for name, shape, itemsize in named_shapes:
+    spec = partition_spec(name, shape, expert_parallel=expert_parallel)
+    local = []
+    for dim, (size, shards) in enumerate(zip(shape, _shards(spec, axes))):
+      if size % shards:
+        raise ValueError(f"{name} {list(shape)}: dimension {dim} ({size}) does not split over {shards} devices "
+                         f"(tensor parallel {tensor_parallel_size}, data parallel {data_parallel_size}, expert "
+                         f"parallel {'on' if expert_parallel else 'off'}); choose sizes that divide it.")
+      local.append(size // shards)
+    n = math.prod(local)
+    if weight_format == "fp8" and len(local) >= 2 and not _FP8_EXCLUDED.search(name):
+      *lead, rows, cols = local
+      total += n + math.prod(lead) * math.ceil(rows / _FP8_BLOCK) * math.ceil(cols / _FP8_BLOCK) * 4
+    else:
+      total += itemsize * n
+  return total

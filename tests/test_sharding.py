@@ -1,0 +1,115 @@
+"""The weights' PartitionSpecs and one device's share (``jaxkv inspect --tensor-parallel-size``): the
+counts against hand arithmetic and against the unsharded count, and the specs applied to a real
+8-device CPU mesh (a subprocess: the device count is fixed when JAX starts)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxkv import CacheConfig
+from jaxkv.cli import main
+from models.glm5_next import get_config
+from models.glm5_next.runner import FAMILY
+from models.glm5_next.sharding import DATA, TENSOR, partition_spec, per_device_weight_bytes
+
+CFG = get_config("glm-5.3-flash")
+CACHE = CacheConfig(block_size=1024, kv_cache_dtype="bfloat16", indexer_cache_dtype="fp8", state_dtype="bfloat16",
+                    memory_bytes=40 << 30, max_model_len=131072)
+
+
+def test_rules_split_heads_vocab_and_experts():
+  assert partition_spec("layers.3.self_attn.q_b_proj.weight", (16384, 1536)) == P(TENSOR, None)
+  assert partition_spec("layers.3.self_attn.o_proj.weight", (4096, 16384)) == P(None, TENSOR)
+  assert partition_spec("layers.3.self_attn.q_a_proj.weight", (1536, 4096)) == P(None, None)  # shared by heads
+  assert partition_spec("layers.0.self_attn.k_conv1d", (8192, 1, 4)) == P(TENSOR, None, None)
+  assert partition_spec("lm_head", (154880, 4096)) == P(TENSOR, None)
+  assert partition_spec("layers.1.mlp.experts_down", (288, 2048, 4096)) == P(None, TENSOR, None)
+  assert partition_spec("layers.1.mlp.experts_down", (288, 2048, 4096), expert_parallel=True) == P((DATA, TENSOR),
+                                                                                                  None, None)
+  assert partition_spec("layers.1.mlp.gate_weight", (288, 4096)) == P(None, None)  # the router: replicated
+
+
+def test_one_device_of_the_released_model():
+  one = FAMILY.per_device(CFG, CACHE)
+  assert one["weight_bytes_bf16"] == FAMILY.weight_bytes(CFG, "bfloat16")  # nothing split, nothing lost
+  tp8 = FAMILY.per_device(CFG, CACHE, tensor_parallel_size=8, expert_parallel=True)
+  dp_ep = FAMILY.per_device(CFG, CACHE, tensor_parallel_size=4, data_parallel_size=2, expert_parallel=True)
+  experts = 3 * CFG.n_routed_experts * CFG.hidden_size * CFG.moe_intermediate_size * 2  # one layer, bf16
+  moe_layers = sum(t == "sparse" for t in CFG.mlp_layer_types) + CFG.num_nextn_predict_layers
+  # Experts are the bulk: 1/8 of them per device in both meshes, so the two differ only by the rest
+  # (split over 4 instead of 8).
+  assert tp8["weight_bytes_bf16"] < one["weight_bytes_bf16"] / 7
+  assert moe_layers * experts / 8 < tp8["weight_bytes_bf16"] < dp_ep["weight_bytes_bf16"]
+  rest_one = one["weight_bytes_bf16"] - moe_layers * experts
+  assert dp_ep["weight_bytes_bf16"] - tp8["weight_bytes_bf16"] < rest_one / 4 - rest_one / 8 + 1
+  # fp8: about half, plus one float32 scale per 128 x 128 block.
+  assert 0.48 < tp8["weight_bytes_fp8"] / tp8["weight_bytes_bf16"] < 0.53
+  # KDA states split by head: each layer's state page shrinks 8x (so more layers share a state group);
+  # the latent group, replicated, keeps its page.
+  def pages(plan, kind):
+    return {g.kv_cache_spec.page_size_bytes for g in plan.kv_cache_groups if type(g.kv_cache_spec).__name__ == kind}
+  (kda_one,), (kda_tp8,) = pages(one["plan"], "LinearAttentionStateSpec"), pages(tp8["plan"], "LinearAttentionStateSpec")
+  assert kda_tp8 * 8 == pytest.approx(kda_one, rel=0.01)
+  assert pages(tp8["plan"], "MLAAttentionSpec") == pages(one["plan"], "MLAAttentionSpec")
+  assert len(tp8["plan"].kv_cache_groups) < len(one["plan"].kv_cache_groups)
+
+
+def test_sizes_that_do_not_divide_are_refused_with_the_sizes():
+  with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide every head count"):
+    FAMILY.per_device(CFG, CACHE, tensor_parallel_size=3)
+  with pytest.raises(ValueError, match="288 experts over 80 devices"):
+    FAMILY.per_device(CFG, CACHE, tensor_parallel_size=16, data_parallel_size=5, expert_parallel=True)
+  with pytest.raises(ValueError, match=r"embed_tokens \[10, 4\]: dimension 0 \(10\) does not split over 4"):
+    per_device_weight_bytes([("embed_tokens", (10, 4), 2)], tensor_parallel_size=4)
+
+
+def test_inspect_prints_one_device(capsys):
+  args = ["inspect", "--memory-gib", "40", "--max-model-len", "131072", "--tensor-parallel-size", "8",
+          "--enable-expert-parallel"]
+  assert main(args + ["--json"]) == 0
+  d = json.loads(capsys.readouterr().out)["per_device"]
+  assert d["devices"] == 8 and d["weight_bytes_fp8"] < d["weight_bytes_bf16"] < 100 << 30
+  assert d["total_bytes_bf16"] == d["weight_bytes_bf16"] + d["kv_cache_bytes"]
+  assert main(args) == 0
+  assert "Per device, 8 devices (tensor 8 x data 1, expert parallel on)" in capsys.readouterr().out
+  assert main(["inspect", "--tensor-parallel-size", "3"]) == 2
+  assert "--tensor-parallel-size 3 must divide" in capsys.readouterr().err
+
+
+def test_specs_shard_the_tiny_model_on_an_eight_device_cpu_mesh():
+  """Every parameter placed with its spec on a 2 x 4 mesh: each device's shard has the local shape the
+  byte count assumed."""
+  code = textwrap.dedent("""
+      import jax, numpy as np
+      from flax import nnx
+      from jax.sharding import Mesh, NamedSharding
+      from models.glm5_next import Glm5NextForCausalLM, get_config
+      from models.glm5_next.sharding import partition_spec, per_device_weight_bytes
+      cfg = get_config("glm-5.3-flash-tiny")
+      model = Glm5NextForCausalLM(cfg, rngs=nnx.Rngs(0))
+      mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "tensor"))
+      named = []
+      for ep in (False, True):
+        total = 0
+        for k, v in nnx.to_flat_state(nnx.state(model)):
+          name, x = ".".join(map(str, k)), v.get_value()
+          placed = jax.device_put(x, NamedSharding(mesh, partition_spec(name, x.shape, expert_parallel=ep)))
+          shard = placed.addressable_shards[0].data
+          assert np.array_equal(np.asarray(placed), np.asarray(x)), name
+          total += shard.size * x.dtype.itemsize
+          if not ep:
+            named.append((name, x.shape, x.dtype.itemsize))
+        want = per_device_weight_bytes(named, tensor_parallel_size=4, data_parallel_size=2, expert_parallel=ep)
+        assert total == want, (ep, total, want)
+      print("ok", len(jax.devices()))
+  """)
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.split() == ["ok", "8"]
