@@ -40,7 +40,7 @@ from jaxkv.slot_mapping import (
     token_slots,
 )
 from jaxkv.step_metadata import StepMetadata, StepMetadataSpec
-from pallas_kernels._common import default_interpret, resolve_implementation
+from pallas_kernels._common import default_interpret, pow2_chunks, resolve_implementation
 
 __all__ = ["compute_step_metadata", "compute_step_metadata_reference"]
 
@@ -67,14 +67,7 @@ def _slot_row(spec: StepMetadataSpec, output, tables, counts, req, pos):
 
 def _row_chunks(n: int) -> list[tuple[int, int]]:
   """``[(start, size)]`` covering ``[0, n)``: power-of-two sizes (Triton) of at most ``MAX_ROW_CHUNK``."""
-  out = [(s, MAX_ROW_CHUNK) for s in range(0, n - n % MAX_ROW_CHUNK, MAX_ROW_CHUNK)]
-  base = n - n % MAX_ROW_CHUNK
-  rest, start = n % MAX_ROW_CHUNK, base
-  for bit in reversed(range(rest.bit_length())):
-    if rest & (1 << bit):
-      out.append((start, 1 << bit))
-      start += 1 << bit
-  return out
+  return [(s + a, size) for s in range(0, n, MAX_ROW_CHUNK) for a, size in pow2_chunks(min(MAX_ROW_CHUNK, n - s))]
 
 
 def _step_metadata_kernel(*refs, spec: StepMetadataSpec, num_groups: int, num_mapped: int, block_t: int,
