@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import re
 import sys
@@ -361,8 +360,7 @@ class _HelpFormatter(argparse.HelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="jaxkv", description="Paged KV-cache management for JAX/Pallas LLM inference.")
   sub = parser.add_subparsers(dest="command", required=True)
-  sub.add_parser = functools.partial(sub.add_parser, formatter_class=_HelpFormatter)
-  p = sub.add_parser("inspect", help="print the KV-cache plan of a model",
+  p = sub.add_parser("inspect", formatter_class=_HelpFormatter, help="print the KV-cache plan of a model",
                      description="Plan the KV cache of a glm5_next model: groups, specs, page bytes, manager and "
                                  "kernel block sizes, strides, alignments, bytes per block, number of blocks.")
   _add_model_args(p, "glm-5.3-flash")
@@ -380,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "needs matplotlib: the 'plot' extra)")
   p.set_defaults(func=cmd_inspect)
 
-  g = sub.add_parser("generate", help="generate tokens (default: the embedded tiny random model)",
+  g = sub.add_parser("generate", formatter_class=_HelpFormatter, help="generate tokens (default: the embedded tiny random model)",
                      description="Serve prompts with the engine: continuous batching, chunked prefill, paged caches.")
   _add_engine_args(g)
   src = g.add_mutually_exclusive_group()
@@ -397,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--print-plan", action="store_true", help="print the engine's KV-cache plan (as inspect) on stderr")
   g.set_defaults(func=cmd_generate)
 
-  b = sub.add_parser("bench", help="decode throughput, step latency percentiles and compile count",
+  b = sub.add_parser("bench", formatter_class=_HelpFormatter, help="decode throughput, step latency percentiles and compile count",
                      description="Prefill a batch of random prompts, then time every decode step.")
   _add_engine_args(b)
   b.add_argument("--batch", type=_positive, default=4, help="requests decoding together")
