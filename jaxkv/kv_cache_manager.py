@@ -5,6 +5,15 @@ draws from one ``BlockPool``; a request owns, per group, a list of blocks whose 
 group's block-table row. Full-attention groups grow with the request, sliding-window groups
 release blocks that fall out of the window, ring (``CircularBufferSpec``) and linear-attention
 state groups hold exactly one block for the request's life.
+
+Prefix caching of hybrid models (vLLM's ``align`` mode for recurrent states): token groups share
+full blocks by chained block hash. A recurrent state cannot be rebuilt from a prefix, so the state
+after each block boundary a prefill reaches is *checkpointed*: copied into a pool block indexed
+by the hash of the block that ends there. A hit of ``n`` blocks needs such a checkpoint at block
+``n``; the request copies it into its own state slot before its first step (the copy is the
+engine's: ``take_block_copies``). The kpool tail ring needs no restore: its capacity divides the
+block size, so at a block boundary the unfinished pool is empty and nothing before the boundary is
+read from the ring again.
 """
 
 from __future__ import annotations
@@ -158,12 +167,79 @@ class _OneBlockPerRequestManager(SingleTypeKVCacheManager):
 
 
 class CircularBufferManager(_OneBlockPerRequestManager):
-  """The kpool tail ring: a ``ring``-token circular buffer in one block per request."""
+  """The kpool tail ring: a ``ring``-token circular buffer in one block per request.
+
+  Never restored on a prefix hit: hits end at block boundaries, the ring's capacity divides the
+  block size (``check_prefix_caching``), so the first pool after the hit starts empty and only
+  ring slots written after the hit are read.
+  """
+
+  def check_prefix_caching(self, hash_block_size: int) -> None:
+    if hash_block_size % self.spec.block_size:
+      raise ValueError(
+          f"prefix caching resumes at block boundaries of {hash_block_size} tokens, which must be a multiple of "
+          f"the tail ring's {self.spec.block_size} slots (group {self.group_id}) so the ring is empty there; "
+          f"use a block size that is a multiple of {self.spec.block_size}.")
 
 
 class LinearAttentionStateManager(_OneBlockPerRequestManager):
   """Linear-attention state slots (KDA conv windows + recurrent state): one per request, plus one
-  per speculative token."""
+  per speculative token; and the prefix cache's state checkpoints.
+
+  A checkpoint is a pool block holding the state after a block boundary, indexed by the hash of
+  the block ending there (so it is found, and evicted, like a cached token block). A request
+  continues from its slot ``num_speculative_blocks`` (the slot of a step's last token): that is
+  where a checkpoint is taken from and restored to.
+  """
+
+  spec: LinearAttentionStateSpec
+
+  def __init__(self, spec, block_pool, group_id):
+    super().__init__(spec, block_pool, group_id)
+    self._restores: dict[str, KVCacheBlock] = {}  # request -> checkpoint to copy into its slot
+
+  @property
+  def state_column(self) -> int:
+    return self.spec.num_speculative_blocks
+
+  def get_checkpoint(self, block_hash: BlockHash) -> KVCacheBlock | None:
+    return self.block_pool.get_cached_block(block_hash, self.group_id)
+
+  def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed=()):
+    # The checkpoint to restore is referenced until its copy is dispatched.
+    evictable = sum(1 for b in new_computed if b.ref_cnt == 0)
+    return max(0, self.num_blocks_needed(num_tokens) - len(self.req_to_blocks.get(request_id, ()))) + evictable
+
+  def add_computed_blocks(self, request_id, blocks):
+    for ckpt in blocks:  # at most one: the state at the hit's end
+      self.block_pool.touch([ckpt])
+      self._restores[request_id] = ckpt
+
+  def take_restores(self) -> list[tuple[int, int]]:
+    """``(checkpoint, slot block)`` copies for requests admitted on a hit; the references end here
+    (the caller dispatches the copies before anything can reuse the checkpoints)."""
+    out = []
+    for request_id, ckpt in self._restores.items():
+      out.append((ckpt.block_id, self.req_to_blocks[request_id][self.state_column].block_id))
+      self.block_pool.free_blocks([ckpt])
+    self._restores.clear()
+    return out
+
+  def checkpoint(self, request_id: str, block_hash: BlockHash) -> tuple[int, int] | None:
+    """Indexes a copy of the request's current state under ``block_hash``: returns ``(slot block,
+    checkpoint block)`` to copy, or None (already checkpointed, or no free block to spare)."""
+    if self.get_checkpoint(block_hash) is not None or not self.block_pool.get_num_free_blocks():
+      return None
+    (block,) = self.block_pool.get_new_blocks(1)
+    self.block_pool.cache_full_block(block, block_hash, self.group_id)
+    self.block_pool.free_blocks([block])  # free but findable: evicted in LRU order like cached blocks
+    return self.req_to_blocks[request_id][self.state_column].block_id, block.block_id
+
+  def free(self, request_id: str) -> None:
+    ckpt = self._restores.pop(request_id, None)
+    if ckpt is not None:
+      self.block_pool.free_blocks([ckpt])
+    super().free(request_id)
 
 
 def get_manager_for_spec(spec: KVCacheSpec, block_pool: BlockPool, group_id: int) -> SingleTypeKVCacheManager:
@@ -183,16 +259,27 @@ class KVCacheManager:
   Args:
     group_specs: the spec of each KV-cache group (its layers' common block size and kind).
     num_blocks: blocks in the pool, the null block included.
-    enable_caching: prefix caching, used only when every group is prefix-cacheable (a ring or a
-      recurrent state cannot be rebuilt from cached blocks).
+    enable_caching: prefix caching: token groups by block hash, recurrent states by checkpoints at
+      block boundaries (module docstring); off when no group holds tokens.
+    use_eagle: a draft layer (MTP) reads each position's successor token, so the last block of a
+      hit is recomputed (vLLM's ``use_eagle``): its last draft-layer entry depends on the token
+      after it, which the hit's hashes do not cover.
   """
 
-  def __init__(self, group_specs: Sequence[KVCacheSpec], num_blocks: int, *, enable_caching: bool = True):
-    self.enable_caching = enable_caching and all(s.prefix_cacheable for s in group_specs)
-    self.block_pool = BlockPool(num_blocks, enable_caching=self.enable_caching)
-    self.managers = [get_manager_for_spec(s, self.block_pool, g) for g, s in enumerate(group_specs)]
+  def __init__(self, group_specs: Sequence[KVCacheSpec], num_blocks: int, *, enable_caching: bool = True,
+               use_eagle: bool = False):
     token_sizes = {s.block_size for s in group_specs if not s.is_state}
     self.hash_block_size = min(token_sizes) if token_sizes else None
+    self.enable_caching = enable_caching and self.hash_block_size is not None
+    self.use_eagle = use_eagle
+    self.block_pool = BlockPool(num_blocks, enable_caching=self.enable_caching)
+    self.managers = [get_manager_for_spec(s, self.block_pool, g) for g, s in enumerate(group_specs)]
+    self._token_managers = [m for m in self.managers if not m.spec.is_state]
+    self._state_managers = [m for m in self.managers if isinstance(m, LinearAttentionStateManager)]
+    if self.enable_caching:
+      for m in self.managers:
+        if isinstance(m, CircularBufferManager):
+          m.check_prefix_caching(self.hash_block_size)
     self._block_hashes: dict[str, list[BlockHash]] = {}
 
   @property
@@ -212,24 +299,37 @@ class KVCacheManager:
   def get_computed_blocks(self, request_id: str, token_ids: Sequence[int]) -> tuple[tuple[list[KVCacheBlock], ...], int]:
     """Longest cached prefix of the prompt, per group, and its length in tokens.
 
-    At least one token is always left to compute (its logits are needed).
+    At least one token is always left to compute (its logits are needed). The hit ends at a block
+    boundary where every token group has its blocks and every state group a checkpoint. Per
+    group: the cached blocks (token groups), the checkpoint to restore (state groups), nothing
+    (rings).
     """
     empty = tuple([] for _ in self.managers)
-    if not self.enable_caching or self.hash_block_size is None or len(token_ids) < 2:
+    if not self.enable_caching or len(token_ids) < 2:
       return empty, 0
     hashes = self._hashes(request_id, token_ids)
-    max_blocks = (len(token_ids) - 1) // self.hash_block_size
-    hits = [m.find_longest_cache_hit(hashes, max_blocks) for m in self.managers]
-    n = min(len(h) for h in hits)
-    # Shrink every group to the common length (a group's hit must end at a cached block).
+    n = (len(token_ids) - 1) // self.hash_block_size
+    # Shrink the token groups to their common length (a group's hit must end at a cached block).
     while n > 0:
-      hits = [m.find_longest_cache_hit(hashes, n) for m in self.managers]
+      hits = [m.find_longest_cache_hit(hashes, n) for m in self._token_managers]
       if min(len(h) for h in hits) >= n:
         break
       n = min(len(h) for h in hits)
+    if self.use_eagle:
+      n = max(n - 1, 0)
+    while n > 0 and not all(m.get_checkpoint(hashes[n - 1]) for m in self._state_managers):
+      n -= 1
     if n == 0:
       return empty, 0
-    return tuple(h[:n] for h in hits), n * self.hash_block_size
+    out = []
+    for m in self.managers:
+      if isinstance(m, LinearAttentionStateManager):
+        out.append([m.get_checkpoint(hashes[n - 1])])
+      elif m.spec.is_state:
+        out.append([])
+      else:
+        out.append(m.find_longest_cache_hit(hashes, n)[:n])
+    return tuple(out), n * self.hash_block_size
 
   def can_allocate(self, request_id: str, num_tokens: int, new_computed_blocks=None) -> bool:
     need = sum(
@@ -265,16 +365,43 @@ class KVCacheManager:
     out = []
     for m, hits in zip(self.managers, new_computed_blocks):
       m.add_computed_blocks(request_id, hits)
-      out.append([b.block_id for b in hits] + [b.block_id for b in m.allocate_new_blocks(request_id, num_tokens)])
+      shared = [] if m.spec.is_state else [b.block_id for b in hits]  # a checkpoint is copied, not shared
+      out.append(shared + [b.block_id for b in m.allocate_new_blocks(request_id, num_tokens)])
     return tuple(out)
 
   def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
-    """Indexes the request's full, computed blocks for prefix hits by later requests."""
-    if not self.enable_caching or self.hash_block_size is None:
+    """Indexes the request's full, computed blocks for prefix hits by later requests.
+
+    ``token_ids``: the request's known tokens; blocks past them (drafts, a token in flight) wait.
+    """
+    if not self.enable_caching:
       return
+    num_computed_tokens = min(num_computed_tokens, len(token_ids))
     hashes = self._hashes(request_id, token_ids[:num_computed_tokens])
-    for m in self.managers:
+    for m in self._token_managers:
       m.cache_blocks(request_id, hashes, num_computed_tokens)
+
+  def checkpoint_states(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> list[tuple[int, int]]:
+    """After a step whose last token of this request ends a block (and is no draft): checkpoints
+    the request's recurrent states there. Returns ``(source, destination)`` block copies for the
+    engine to dispatch right after that step; none when caching is off, the step did not end on a
+    boundary, the boundary's tokens are not all known yet, or it is checkpointed already."""
+    bs = self.hash_block_size
+    if (not self.enable_caching or not num_computed_tokens or num_computed_tokens % bs
+        or num_computed_tokens > len(token_ids)):
+      return []
+    block_hash = self._hashes(request_id, token_ids[:num_computed_tokens])[num_computed_tokens // bs - 1]
+    copies = [m.checkpoint(request_id, block_hash) for m in self._state_managers]
+    return [c for c in copies if c is not None]
+
+  def take_block_copies(self) -> list[tuple[int, int]]:
+    """``(checkpoint, state slot)`` restores of requests admitted on a prefix hit since the last
+    call: the engine copies them before the step that reads the slots."""
+    return [c for m in self._state_managers for c in m.take_restores()]
+
+  def reset_prefix_cache(self) -> None:
+    """Forgets every cached block and checkpoint (blocks in use stay with their requests)."""
+    self.block_pool.reset_prefix_cache()
 
   def free(self, request_id: str) -> None:
     """Releases every block of a finished, aborted or preempted request."""

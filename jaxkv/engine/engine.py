@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.block_copy import BlockRegions, copy_blocks, pad_block_ids
 from jaxkv.block_table import MultiGroupBlockTable
 from jaxkv.engine.model_runner import ModelRunner, plan_for
 from jaxkv.engine.request import MAX_LOGPROBS, Request, RequestOutput, RequestStatus, SamplingParams, is_int
@@ -28,6 +29,7 @@ from jaxkv.engine.sampler import sample
 from jaxkv.engine.scheduler import Scheduler
 from jaxkv.kv_cache_config import CacheConfig
 from jaxkv.kv_cache_manager import KVCacheManager
+from jaxkv.kv_cache_spec import LinearAttentionStateSpec
 from jaxkv.kv_cache_report import render_plan
 from jaxkv.step_inputs import StepInputs
 from jaxkv.step_metadata import StepMetadataSpec
@@ -54,6 +56,9 @@ class EngineConfig:
       computed (``compute_step_metadata``): ``"auto"`` (the Pallas kernel on a GPU, and on the
       CPU when the runner's kernels are ``"pallas"``; else the jnp functions), ``"pallas"`` or
       ``"xla"``. Identical integers either way.
+    enable_prefix_caching: reuse the cached blocks of earlier prompts with the same prefix, KDA
+      states included (checkpointed at block boundaries; ``jaxkv.kv_cache_manager``). Outputs are
+      bitwise those of a cold run; ``Request.num_cached_tokens`` says what was reused.
   """
 
   cache: CacheConfig = CacheConfig()
@@ -62,6 +67,7 @@ class EngineConfig:
   buckets: tuple[int, ...] | None = None
   async_scheduling: bool = True
   step_metadata_implementation: str = "auto"
+  enable_prefix_caching: bool = False
 
   @property
   def num_speculative_tokens(self) -> int:
@@ -259,7 +265,8 @@ class LLMEngine:
                        f"1 + {k} tokens.")
     self.plan = plan_for(runner, config.cache)
     groups = self.plan.kv_cache_groups
-    self.kv = KVCacheManager([g.kv_cache_spec for g in groups], self.plan.num_blocks, enable_caching=False)
+    self.kv = KVCacheManager([g.kv_cache_spec for g in groups], self.plan.num_blocks,
+                             enable_caching=config.enable_prefix_caching, use_eagle=k > 0)
     self.tables = MultiGroupBlockTable([g.kv_cache_spec.block_size for g in groups], config.max_num_reqs,
                                        self.plan.block_table_widths())
     self.scheduler = Scheduler(self.kv, self.tables, max_num_reqs=config.max_num_reqs,
@@ -267,6 +274,11 @@ class LLMEngine:
                                num_lookahead_tokens=max(k - 1, 0))
     self.caches = self.plan.allocate()
     self.kernel_tables = self.plan.init_kernel_block_tables(config.max_num_reqs)
+    # Prefix caching's state checkpoints and restores: whole state blocks copied on the device, at
+    # most one per request row and state group per call (one compiled shape).
+    state_groups = [g for g, grp in enumerate(groups) if isinstance(grp.kv_cache_spec, LinearAttentionStateSpec)]
+    self._state_regions = BlockRegions.from_plan(self.plan, state_groups) if state_groups else None
+    self._max_block_copies = config.max_num_reqs * len(state_groups)
     # The weights as a flat tuple of arrays: jit flattens it in C++ each step (a Flax State takes
     # Python calls per variable).
     self._param_leaves, treedef = jax.tree.flatten(runner.params)
@@ -353,6 +365,7 @@ class LLMEngine:
     ``num_compilations``."""
     for bucket in self.config.token_buckets:
       self._read_back(self._launch([], bucket)[0])
+    self._copy_blocks([])
     return self.num_compilations
 
   def step(self) -> list[RequestOutput]:
@@ -363,22 +376,43 @@ class LLMEngine:
     the others run on."""
     with self._lock:
       chunks = self.scheduler.schedule()
+      self._copy_blocks(self.kv.take_block_copies())  # prefix hits' states, before the step reads them
       out, failed = None, []
       if chunks:
         n = sum(c.num_tokens for c in chunks)
         out, chunks, failed = self._launch(chunks, next(b for b in self.config.token_buckets if b >= n))
         self.num_steps += out is not None
+        self._cache_blocks(chunks)
       errors = [self._fail(req, err) for req, err in failed]
       if not self._async:
         return errors + (self._update(chunks, *self._read_back(out)) if chunks else [])
       previous, self._in_flight = self._in_flight, (chunks, out) if chunks else None
       return errors + (self._update(previous[0], *self._read_back(previous[1])) if previous else [])
 
+  def _cache_blocks(self, chunks) -> None:
+    """Indexes the blocks the step just computed and checkpoints KDA states that end on a block
+    boundary (dispatched now: before any later step rewrites the slots)."""
+    if not self.kv.enable_caching:
+      return
+    copies = []
+    for c in chunks:
+      req = c.request
+      self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+      if not c.num_drafts:  # the state after the chunk's last token is in the checkpointed slot
+        copies += self.kv.checkpoint_states(req.request_id, req.all_token_ids, c.start + c.num_tokens)
+    self._copy_blocks(copies)
+
+  def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+    if self._state_regions is None or not self.kv.enable_caching or (not pairs and self.num_steps):
+      return  # an empty call only at warm-up, to compile it
+    src, dst = pad_block_ids(pairs, self._max_block_copies)
+    self.caches = copy_blocks(self.caches, src, dst, regions=self._state_regions)
+
   def _fail(self, request: Request, error: Exception) -> RequestOutput:
     request.error = f"{type(error).__name__}: {error}"
     self.scheduler.finish(request, RequestStatus.FINISHED, "error")
     self._requests.pop(request.request_id, None)
-    return RequestOutput(request.request_id, [], [], True, "error")
+    return RequestOutput(request.request_id, [], [], True, "error", request.num_cached_tokens)
 
   def _launch(self, chunks, bucket: int):
     """Lays the chunks out in ``bucket`` tokens and dispatches the jitted step (one transfer in).
@@ -504,7 +538,7 @@ class LLMEngine:
         room = req.sampling.max_new_tokens - len(req.output_token_ids) - 1
         req.spec_token_ids = self._next_drafts(req, [int(x) for x in drafts[row, :min(k, room)]])
       outputs.append(RequestOutput(req.request_id, new_ids, new_lps if req.sampling.logprobs else [],
-                                   reason is not None, reason))
+                                   reason is not None, reason, req.num_cached_tokens))
     return outputs
 
   def generate(self, prompts: Iterable[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),

@@ -79,6 +79,7 @@ class Request:
   output_token_ids: list[int] = dataclasses.field(default_factory=list)
   output_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
   num_computed_tokens: int = 0
+  num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when last admitted
   status: RequestStatus = RequestStatus.WAITING
   row: int = -1  # block-table row while running
   num_preemptions: int = 0
@@ -118,3 +119,4 @@ class RequestOutput:
   new_logprobs: list[list[tuple[int, float]]]
   finished: bool
   finish_reason: str | None = None
+  num_cached_tokens: int = 0  # of the prompt, from the prefix cache (vLLM's field)

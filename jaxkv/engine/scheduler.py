@@ -5,6 +5,11 @@ prefill), then waiting requests in arrival order while budget, table rows and bl
 the pool cannot supply a running request's blocks, the most recently arrived running request is
 preempted: its blocks (every group: latents, pooled keys, tail ring, KDA slots) go back to the pool
 and it re-enters the queue to recompute its prompt and outputs so far. Nothing accepted is lost.
+
+With prefix caching, a request enters at its longest cached prefix (``num_cached_tokens``; a
+preempted one too), and a chunk that would run past a block boundary before the request's last
+known token ends there instead (vLLM's ``align`` mode), so the state after every block boundary
+of a prompt can be checkpointed for later hits.
 """
 
 from __future__ import annotations
@@ -81,15 +86,27 @@ class Scheduler:
     self.num_preemptions += 1
     self.waiting.appendleft(request)
 
-  def _allocate(self, request: Request, n: int) -> bool:
+  def _allocate(self, request: Request, n: int, hits=None) -> bool:
     end = request.num_computed_tokens + n
     if end >= request.num_tokens:
       end += self.lookahead
-    new = self.kv.allocate_slots(request.request_id, end, num_computed_tokens=request.num_computed_tokens)
+    new = self.kv.allocate_slots(request.request_id, end, num_computed_tokens=request.num_computed_tokens,
+                                 new_computed_blocks=hits)
     if new is None:
       return False
     self.tables.append_row(new, request.row)
     return True
+
+  def _chunk_size(self, request: Request, budget: int) -> int:
+    """Tokens to schedule: the pending ones within budget, ending at the next block boundary when
+    one comes before the request's last known token (prefix caching checkpoints states there)."""
+    n = min(self._pending(request), budget)
+    if self.kv.enable_caching:
+      bs = self.kv.hash_block_size
+      boundary = (request.num_computed_tokens // bs + 1) * bs
+      if boundary < min(request.num_computed_tokens + n, len(request.all_token_ids)):
+        n = boundary - request.num_computed_tokens
+    return n
 
   @staticmethod
   def _pending(request: Request) -> int:
@@ -110,7 +127,7 @@ class Scheduler:
         break
       if request not in self.running or request.awaits_last_token:  # preempted below; or done
         continue
-      n = min(self._pending(request), budget)
+      n = self._chunk_size(request, budget)
       while not self._allocate(request, n):
         # The latest arrival not already scheduled this step gives its blocks back.
         scheduled = {id(c.request) for c in chunks}
@@ -123,17 +140,20 @@ class Scheduler:
         budget -= n
     while self.waiting and budget > 0 and self.free_rows:
       request = self.waiting[0]
-      n = min(self._pending(request), budget)
+      hits, request.num_computed_tokens = self.kv.get_computed_blocks(request.request_id, request.all_token_ids)
+      n = self._chunk_size(request, budget)
       request.row = self.free_rows.pop()
-      if not self._allocate(request, n):
+      if not self._allocate(request, n, hits):
         self.free_rows.append(request.row)
         request.row = -1
+        request.num_computed_tokens = 0
         if not self.running and not chunks:
           raise RuntimeError(
               f"request {request.request_id} needs more KV-cache blocks than the pool has "
               f"({self.kv.num_free_blocks} free); raise the memory budget or lower max_model_len.")
         break
       self.waiting.popleft()
+      request.num_cached_tokens = request.num_computed_tokens
       request.status = RequestStatus.RUNNING
       self.running.append(request)
       chunks.append(self._chunk(request, n))
