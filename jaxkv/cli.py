@@ -128,7 +128,8 @@ def _engine(args, family, config, max_len: int):
     runner = family.from_random(config, dtype=args.dtype, seed=args.seed, implementation=args.implementation)
   cache = dataclasses.replace(cache_config_from_args(args, config), max_model_len=max_len)
   engine = LLMEngine(runner, EngineConfig(cache=cache, max_num_reqs=args.max_num_reqs,
-                                          max_num_batched_tokens=args.max_num_batched_tokens, buckets=args.buckets))
+                                          max_num_batched_tokens=args.max_num_batched_tokens, buckets=args.buckets,
+                                          enable_prefix_caching=args.enable_prefix_caching))
   if getattr(args, "print_plan", False):
     sys.stderr.write(engine.render_plan(family.describe(config, cache)))
   return engine
@@ -222,7 +223,7 @@ def cmd_generate(args) -> int:
   sys.stderr.write("\n")
   if args.json:
     json.dump({"requests": [{"prompt_token_ids": r.prompt_token_ids, "output_token_ids": r.output_token_ids,
-                             "finish_reason": r.finish_reason,
+                             "finish_reason": r.finish_reason, "num_cached_tokens": r.num_cached_tokens,
                              "logprobs": [[[i, v] for i, v in step] for step in r.output_logprobs]} for r in reqs],
                "steps": engine.num_steps, "compilations": engine.num_compilations,
                "preemptions": engine.scheduler.num_preemptions, "num_spec": args.num_spec,
@@ -231,7 +232,8 @@ def cmd_generate(args) -> int:
     sys.stdout.write("\n")
   else:
     for i, r in enumerate(reqs):
-      print(f"[{i}] prompt {len(r.prompt_token_ids)} tokens -> {r.output_token_ids} ({r.finish_reason})")
+      cached = f", {r.num_cached_tokens} cached" if args.enable_prefix_caching else ""
+      print(f"[{i}] prompt {len(r.prompt_token_ids)} tokens{cached} -> {r.output_token_ids} ({r.finish_reason})")
       for step, lps in zip(r.output_token_ids, r.output_logprobs):
         if lps:
           print(f"     {step}: " + ", ".join(f"{t}:{v:.4f}" for t, v in lps))
@@ -342,6 +344,9 @@ def _add_engine_args(p):
                  help="attention kernels: the XLA reference path, or the Pallas kernels (interpret mode on a CPU)")
   p.add_argument("--check-weights", action="store_true",
                  help="refuse a checkpoint whose tensors hold NaN or infinite values (one pass over the weights)")
+  p.add_argument("--enable-prefix-caching", action="store_true",
+                 help="reuse cached blocks of earlier prompts with the same prefix (KDA states checkpointed at block "
+                      "boundaries; outputs bitwise those of a cold run; docs/engine.md)")
   p.add_argument("--buckets", type=_int_list, default=None,
                  help="step token counts to compile, e.g. 32,512 (default: powers of two up to the budget)")
 

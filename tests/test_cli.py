@@ -147,3 +147,20 @@ def test_every_flag_has_help_and_the_cache_flags_come_from_one_place():
     assert cache_flags <= set(flags), name
     # Same choices and help everywhere; only the defaults differ (inspect plans the released model).
     assert flags["--kv-cache-dtype"].choices == commands["inspect"]._option_string_actions["--kv-cache-dtype"].choices
+
+
+def test_generate_and_bench_with_prefix_caching(capsys):
+  ids = ",".join(str(1 + (i * 7) % 200) for i in range(140))
+  argv = ["generate", "--prompt-ids", ids, "--batch", "2", "--max-num-reqs", "1", "--block-size", "128",
+          "--max-new-tokens", "2", "--logprobs", "2", "--json", "--max-num-batched-tokens", "128", "--buckets", "128"]
+  assert main(argv) == 0
+  cold = json.loads(capsys.readouterr().out)["requests"]
+  assert main(argv + ["--enable-prefix-caching"]) == 0
+  warm = json.loads(capsys.readouterr().out)["requests"]
+  # One row: the second copy is admitted after the first finished, and resumes after its first block.
+  assert [r["num_cached_tokens"] for r in warm] == [0, 128] and [r["num_cached_tokens"] for r in cold] == [0, 0]
+  assert [(r["output_token_ids"], r["logprobs"]) for r in warm] == [(r["output_token_ids"], r["logprobs"]) for r in cold]
+  assert main(["bench", "--batch", "2", "--context", "130", "--steps", "2", "--block-size", "128",
+               "--max-num-batched-tokens", "128", "--buckets", "2,128", "--enable-prefix-caching", "--json"]) == 0
+  bench = json.loads(capsys.readouterr().out)
+  assert bench["num_cached_tokens"] == 2 * 128 and bench["prefill_warm_s"] > 0
