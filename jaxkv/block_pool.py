@@ -86,14 +86,17 @@ class BlockPool:
   def get_cached_block(self, block_hash: BlockHash, group_id: int) -> KVCacheBlock | None:
     return self._cached.get((block_hash, group_id))
 
-  def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash, group_id: int) -> None:
-    """Indexes a full block by its chained hash (first writer wins; duplicates stay uncached)."""
+  def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash, group_id: int) -> bool:
+    """Indexes a full block by its chained hash (first writer wins; duplicates stay uncached).
+    Returns whether it was newly indexed."""
     if not self.enable_caching or block.is_null or block.block_hash is not None:
-      return
+      return False
     key = (block_hash, group_id)
-    if key not in self._cached:
-      self._cached[key] = block
-      block.block_hash = key
+    if key in self._cached:
+      return False
+    self._cached[key] = block
+    block.block_hash = key
+    return True
 
   def _evict(self, block: KVCacheBlock) -> None:
     if block.block_hash is not None:

@@ -91,15 +91,17 @@ class SingleTypeKVCacheManager:
     """Frees blocks no future token attends to; returns the table columns now null."""
     return []
 
-  def cache_blocks(self, request_id: str, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
+  def cache_blocks(self, request_id: str, block_hashes: Sequence[BlockHash], num_tokens: int) -> list[KVCacheBlock]:
+    """Indexes the request's full blocks; returns those newly indexed."""
     if not self.spec.prefix_cacheable:
-      return
+      return []
     blocks = self.req_to_blocks.get(request_id, [])
     start = self.num_cached_block.get(request_id, 0)
     end = min(num_tokens // self.block_size, len(block_hashes), len(blocks))
-    for i in range(start, end):
-      self.block_pool.cache_full_block(blocks[i], block_hashes[i], self.group_id)
+    new = [b for i in range(start, end) if self.block_pool.cache_full_block(blocks[i], block_hashes[i], self.group_id)
+           for b in (blocks[i],)]
     self.num_cached_block[request_id] = max(start, end)
+    return new
 
   def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_blocks: int) -> list[KVCacheBlock]:
     hits = []
@@ -235,6 +237,9 @@ class LinearAttentionStateManager(_OneBlockPerRequestManager):
     self.block_pool.free_blocks([block])  # free but findable: evicted in LRU order like cached blocks
     return self.req_to_blocks[request_id][self.state_column].block_id, block.block_id
 
+  def cache_blocks(self, request_id, block_hashes, num_tokens):
+    return []  # states are indexed as checkpoints only
+
   def free(self, request_id: str) -> None:
     ckpt = self._restores.pop(request_id, None)
     if ckpt is not None:
@@ -281,6 +286,7 @@ class KVCacheManager:
         if isinstance(m, CircularBufferManager):
           m.check_prefix_caching(self.hash_block_size)
     self._block_hashes: dict[str, list[BlockHash]] = {}
+    self._newly_cached: list[tuple[BlockHash, int, int]] = []
 
   @property
   def num_free_blocks(self) -> int:
@@ -288,6 +294,10 @@ class KVCacheManager:
 
   def block_ids(self, request_id: str) -> tuple[list[int], ...]:
     return tuple([b.block_id for b in m.req_to_blocks.get(request_id, [])] for m in self.managers)
+
+  def block_hashes(self, request_id: str, token_ids: Sequence[int]) -> list[BlockHash]:
+    """The chained hashes of the full blocks of ``token_ids`` (kept per request, extended as it grows)."""
+    return self._hashes(request_id, token_ids)
 
   def _hashes(self, request_id: str, token_ids: Sequence[int]) -> list[BlockHash]:
     hashes = self._block_hashes.setdefault(request_id, [])
@@ -362,9 +372,11 @@ class KVCacheManager:
     new_computed_blocks = new_computed_blocks or [()] * len(self.managers)
     if not self.can_allocate(request_id, num_tokens, new_computed_blocks):
       return None
-    out = []
+    # Every group's hits are referenced before any group allocates (which may evict free cached blocks).
     for m, hits in zip(self.managers, new_computed_blocks):
       m.add_computed_blocks(request_id, hits)
+    out = []
+    for m, hits in zip(self.managers, new_computed_blocks):
       shared = [] if m.spec.is_state else [b.block_id for b in hits]  # a checkpoint is copied, not shared
       out.append(shared + [b.block_id for b in m.allocate_new_blocks(request_id, num_tokens)])
     return tuple(out)
@@ -379,7 +391,8 @@ class KVCacheManager:
     num_computed_tokens = min(num_computed_tokens, len(token_ids))
     hashes = self._hashes(request_id, token_ids[:num_computed_tokens])
     for m in self._token_managers:
-      m.cache_blocks(request_id, hashes, num_computed_tokens)
+      self._newly_cached += [(b.block_hash[0], m.group_id, b.block_id)
+                             for b in m.cache_blocks(request_id, hashes, num_computed_tokens)]
 
   def checkpoint_states(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> list[tuple[int, int]]:
     """After a step whose last token of this request ends a block (and is no draft): checkpoints
@@ -391,8 +404,19 @@ class KVCacheManager:
         or num_computed_tokens > len(token_ids)):
       return []
     block_hash = self._hashes(request_id, token_ids[:num_computed_tokens])[num_computed_tokens // bs - 1]
-    copies = [m.checkpoint(request_id, block_hash) for m in self._state_managers]
-    return [c for c in copies if c is not None]
+    copies = []
+    for m in self._state_managers:
+      copy = m.checkpoint(request_id, block_hash)
+      if copy is not None:
+        copies.append(copy)
+        self._newly_cached.append((block_hash, m.group_id, copy[1]))
+    return copies
+
+  def take_newly_cached(self) -> list[tuple[BlockHash, int, int]]:
+    """``(block hash, group id, block id)`` of every block indexed since the last call (token
+    blocks and state checkpoints): what an offloading connector saves."""
+    out, self._newly_cached = self._newly_cached, []
+    return out
 
   def take_block_copies(self) -> list[tuple[int, int]]:
     """``(checkpoint, state slot)`` restores of requests admitted on a prefix hit since the last

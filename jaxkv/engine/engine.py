@@ -30,6 +30,7 @@ from jaxkv.engine.scheduler import Scheduler
 from jaxkv.kv_cache_config import CacheConfig
 from jaxkv.kv_cache_manager import KVCacheManager
 from jaxkv.kv_cache_spec import LinearAttentionStateSpec
+from jaxkv.kv_offload import DiskTier, HostTier, OffloadingConnector, SwapSpace, offload_fingerprint
 from jaxkv.kv_cache_report import render_plan
 from jaxkv.step_inputs import StepInputs
 from jaxkv.step_metadata import StepMetadataSpec
@@ -59,6 +60,11 @@ class EngineConfig:
     enable_prefix_caching: reuse the cached blocks of earlier prompts with the same prefix, KDA
       states included (checkpointed at block boundaries; ``jaxkv.kv_cache_manager``). Outputs are
       bitwise those of a cold run; ``Request.num_cached_tokens`` says what was reused.
+    kv_offload: a second level for the prefix cache (``jaxkv.kv_offload``): ``"host"`` (host
+      memory) or ``"disk"`` (``kv_offload_dir``, survives a restart); None: off. Needs prefix
+      caching. ``kv_offload_bytes``: the tier's capacity (least recently used blocks evicted).
+    preemption_mode: ``"recompute"`` (a preempted request's blocks are freed and recomputed) or
+      ``"swap"`` (moved to host memory and back, up to ``swap_space_bytes``; recompute past that).
   """
 
   cache: CacheConfig = CacheConfig()
@@ -68,6 +74,26 @@ class EngineConfig:
   async_scheduling: bool = True
   step_metadata_implementation: str = "auto"
   enable_prefix_caching: bool = False
+  kv_offload: str | None = None
+  kv_offload_bytes: int = 4 << 30
+  kv_offload_dir: str | None = None
+  preemption_mode: str = "recompute"
+  swap_space_bytes: int = 4 << 30
+
+  def __post_init__(self):
+    if self.kv_offload not in (None, "host", "disk"):
+      raise ValueError(f"kv_offload must be None, 'host' or 'disk', got {self.kv_offload!r}.")
+    if self.kv_offload and not self.enable_prefix_caching:
+      raise ValueError(f"kv_offload={self.kv_offload!r} is a second level of the prefix cache: set "
+                       "enable_prefix_caching=True (--enable-prefix-caching) too.")
+    if self.kv_offload == "disk" and not self.kv_offload_dir:
+      raise ValueError("kv_offload='disk' needs kv_offload_dir (--kv-offload-dir DIR), where blocks are kept.")
+    if self.kv_offload and self.kv_offload_bytes <= 0:
+      raise ValueError(f"kv_offload_bytes must be positive, got {self.kv_offload_bytes}.")
+    if self.preemption_mode not in ("recompute", "swap"):
+      raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}.")
+    if self.swap_space_bytes < 0:
+      raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}.")
 
   @property
   def num_speculative_tokens(self) -> int:
@@ -269,9 +295,11 @@ class LLMEngine:
                              enable_caching=config.enable_prefix_caching, use_eagle=k > 0)
     self.tables = MultiGroupBlockTable([g.kv_cache_spec.block_size for g in groups], config.max_num_reqs,
                                        self.plan.block_table_widths())
+    self.connector = self._make_connector(runner, config)
+    self.swap = SwapSpace(self.plan, config.swap_space_bytes) if config.preemption_mode == "swap" else None
     self.scheduler = Scheduler(self.kv, self.tables, max_num_reqs=config.max_num_reqs,
                                max_num_batched_tokens=config.max_num_batched_tokens,
-                               num_lookahead_tokens=max(k - 1, 0))
+                               num_lookahead_tokens=max(k - 1, 0), connector=self.connector, swap=self.swap)
     self.caches = self.plan.allocate()
     self.kernel_tables = self.plan.init_kernel_block_tables(config.max_num_reqs)
     # Prefix caching's state checkpoints and restores: whole state blocks copied on the device, at
@@ -303,6 +331,19 @@ class LLMEngine:
     self.num_steps = 0
     self.num_draft_tokens = 0  # drafts verified
     self.num_accepted_tokens = 0  # of which accepted
+
+  def _make_connector(self, runner, config: EngineConfig) -> OffloadingConnector | None:
+    if config.kv_offload == "host":
+      return OffloadingConnector(self.plan, HostTier(config.kv_offload_bytes))
+    if config.kv_offload == "disk":
+      tier = DiskTier(config.kv_offload_dir, config.kv_offload_bytes, offload_fingerprint(self.plan, runner.params))
+      return OffloadingConnector(self.plan, tier)
+    return None
+
+  def wait_for_save(self) -> None:
+    """Waits until every block offloaded so far is stored in its tier (``generate`` ends with it)."""
+    if self.connector is not None:
+      self.connector.wait_for_save()
 
   def render_plan(self, title: str = "") -> str:
     """The plan this engine serves from, as ``jaxkv inspect`` prints it."""
@@ -376,7 +417,15 @@ class LLMEngine:
     the others run on."""
     with self._lock:
       chunks = self.scheduler.schedule()
-      self._copy_blocks(self.kv.take_block_copies())  # prefix hits' states, before the step reads them
+      # Before the step, in this order: preempted blocks out (before their new owners write them),
+      # offloaded prefix blocks and swapped blocks in, then hits' KDA states into their slots.
+      if self.swap is not None:
+        self.swap.start_swap_out(self.caches)
+      if self.connector is not None:
+        self.caches = self.connector.start_load_kv(self.caches)
+      if self.swap is not None:
+        self.caches = self.swap.start_swap_in(self.caches)
+      self._copy_blocks(self.kv.take_block_copies())
       out, failed = None, []
       if chunks:
         n = sum(c.num_tokens for c in chunks)
@@ -401,6 +450,10 @@ class LLMEngine:
       if not c.num_drafts:  # the state after the chunk's last token is in the checkpointed slot
         copies += self.kv.checkpoint_states(req.request_id, req.all_token_ids, c.start + c.num_tokens)
     self._copy_blocks(copies)
+    if self.connector is not None:  # after the checkpoint copies: they are among the blocks saved
+      self.connector.save_kv(self.caches, self.kv.take_newly_cached())
+    else:
+      self.kv.take_newly_cached()
 
   def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
     if self._state_regions is None or not self.kv.enable_caching or (not pairs and self.num_steps):
@@ -431,7 +484,7 @@ class LLMEngine:
     for c in chunks:
       try:
         self._lay_out(v, at, c, k)
-        laid_out.append(c)
+        laid_out.append(dataclasses.replace(c, row=c.request.row))
       except (ValueError, TypeError, OverflowError) as err:
         self._clear(packing, v, at, c)
         failed.append((c.request, err))
@@ -505,7 +558,7 @@ class LLMEngine:
         req.num_in_flight -= 1
       # Rollback: positions of rejected drafts count as not computed (later steps overwrite their
       # latents, pooled keys and ring slots), and KDA continues from the last accepted token's slot.
-      a = int(num_accepted[req.row]) if c.samples else 0
+      a = int(num_accepted[c.row]) if c.samples else 0
       rejected = c.num_drafts - a
       req.num_computed_tokens -= rejected
       req.state_slot = k - rejected
@@ -514,7 +567,7 @@ class LLMEngine:
         continue
       self.num_draft_tokens += c.num_drafts
       self.num_accepted_tokens += a
-      row = req.row
+      row = c.row
       new_ids, new_lps, reason = [], [], None
       for j in range(a + 1):
         token = int(tokens[row, j])
@@ -557,5 +610,6 @@ class LLMEngine:
       outs = self.step()
       if progress is not None:
         progress(self, outs)
+    self.wait_for_save()
     return reqs
 

@@ -28,21 +28,25 @@ __all__ = ["Scheduler", "ScheduledChunk"]
 class ScheduledChunk:
   """``num_tokens`` tokens of ``request`` from position ``start``; ``samples``: the chunk reaches
   the request's last token, whose logits pick the next one (fixed when scheduled);
-  ``num_drafts``: speculative tokens after it, verified in the same step."""
+  ``num_drafts``: speculative tokens after it, verified in the same step; ``row``: the request's
+  block-table row when the step was laid out (where its outputs are, even if it is preempted
+  before they are read back)."""
 
   request: Request
   start: int
   num_tokens: int
   samples: bool
   num_drafts: int = 0
+  row: int = -1
 
 
 class Scheduler:
 
   def __init__(self, kv_manager: KVCacheManager, block_tables: MultiGroupBlockTable, *, max_num_reqs: int,
-               max_num_batched_tokens: int, num_lookahead_tokens: int = 0):
+               max_num_batched_tokens: int, num_lookahead_tokens: int = 0, connector=None, swap=None):
     """``num_lookahead_tokens``: slots past the scheduled tokens that a sampling chunk also needs
-    (the MTP draft steps write the draft positions)."""
+    (the MTP draft steps write the draft positions). ``connector``: a ``KVConnectorBase`` asked for
+    external prefix hits at admission; ``swap``: a ``SwapSpace`` for preemption by swapping."""
     self.kv = kv_manager
     self.tables = block_tables
     self.max_num_reqs = max_num_reqs
@@ -52,6 +56,8 @@ class Scheduler:
     self.running: list[Request] = []
     self.free_rows = list(range(max_num_reqs - 1, -1, -1))
     self.num_preemptions = 0
+    self.connector = connector
+    self.swap = swap
 
   def add(self, request: Request) -> None:
     self.waiting.append(request)
@@ -66,6 +72,8 @@ class Scheduler:
     elif request in self.waiting:
       self.waiting.remove(request)
     self._release(request)
+    if self.swap is not None:
+      self.swap.discard(request.request_id)
     request.status = status
     request.finish_reason = reason
 
@@ -77,9 +85,12 @@ class Scheduler:
       request.row = -1
 
   def _preempt(self, request: Request) -> None:
+    """Back to the queue's front: its blocks swapped to host (``swap``, when they fit) or freed to
+    be recomputed."""
     self.running.remove(request)
+    if not (self.swap is not None and self.swap.swap_out(request.request_id, self.kv.block_ids(request.request_id))):
+      request.num_computed_tokens = 0
     self._release(request)
-    request.num_computed_tokens = 0
     request.spec_token_ids = []
     request.status = RequestStatus.WAITING
     request.num_preemptions += 1
@@ -121,6 +132,7 @@ class Scheduler:
 
   def schedule(self) -> list[ScheduledChunk]:
     budget = self.budget
+    preempted_before = {id(r): r.num_preemptions for r in self.running}
     chunks: list[ScheduledChunk] = []
     for request in list(self.running):
       if budget == 0:
@@ -140,20 +152,31 @@ class Scheduler:
         budget -= n
     while self.waiting and budget > 0 and self.free_rows:
       request = self.waiting[0]
-      hits, request.num_computed_tokens = self.kv.get_computed_blocks(request.request_id, request.all_token_ids)
+      swapped = self.swap is not None and self.swap.is_swapped(request.request_id)
+      if swapped and request.num_preemptions > preempted_before.get(id(request), request.num_preemptions):
+        break  # swapped out during this schedule: its blocks are gathered when this step is dispatched
+      hits = None
+      if not swapped:
+        if self.connector is not None:
+          self.connector.get_num_new_matched_tokens(self.kv, request.request_id, request.all_token_ids)
+        hits, request.num_computed_tokens = self.kv.get_computed_blocks(request.request_id, request.all_token_ids)
       n = self._chunk_size(request, budget)
       request.row = self.free_rows.pop()
       if not self._allocate(request, n, hits):
         self.free_rows.append(request.row)
         request.row = -1
-        request.num_computed_tokens = 0
+        if not swapped:
+          request.num_computed_tokens = 0
         if not self.running and not chunks:
           raise RuntimeError(
               f"request {request.request_id} needs more KV-cache blocks than the pool has "
               f"({self.kv.num_free_blocks} free); raise the memory budget or lower max_model_len.")
         break
       self.waiting.popleft()
-      request.num_cached_tokens = request.num_computed_tokens
+      if swapped:
+        self.swap.swap_in(request.request_id, self.kv.block_ids(request.request_id))
+      else:
+        request.num_cached_tokens = request.num_computed_tokens
       request.status = RequestStatus.RUNNING
       self.running.append(request)
       chunks.append(self._chunk(request, n))

@@ -1,0 +1,203 @@
+"""KV connectors in manager blocks (after vLLM's ``KVConnectorBase_V1`` and its offloading
+connector): the scheduler side finds external hits by block hash, the worker side saves and loads
+whole manager blocks by id. Never through kernel blocks: in the packed layout a manager block is
+one row of the arena (one copy moves every layer's cache of it), in the dense layout each layer's
+page of it.
+
+``OffloadingConnector`` keeps a second level of the device prefix cache in an ``OffloadTier``
+(host memory or disk), under the same ``(block hash, group id)`` keys:
+
+* save: every block the device cache indexes (token blocks, KDA state checkpoints) is gathered on
+  the device right after the step that wrote it and copied to the tier asynchronously (to the
+  ``pinned_host`` memory kind where the platform has one); the serving loop does not wait for it;
+* load: when a request is admitted, the blocks of its prefix that the device lacks but the tier
+  holds are read (a corrupt or missing entry ends the hit there), written into free device blocks
+  (one scatter per group, dispatched before the step) and indexed in the device cache, so the
+  admission that follows is an ordinary device hit: two requests with one prefix load it once,
+  and aborting a request frees its blocks like any other.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import json
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.block_copy import BlockRegions, gather_blocks, scatter_blocks
+from jaxkv.block_pool import BlockHash
+from jaxkv.kv_cache_config import KVCacheConfig
+from jaxkv.kv_cache_manager import KVCacheManager, LinearAttentionStateManager
+from jaxkv.kv_offload.tier import OffloadTier
+
+__all__ = ["KVConnectorBase", "OffloadingConnector", "offload_fingerprint", "pinned_host_put", "pow2_size", "to_device"]
+
+
+def pow2_size(n: int) -> int:
+  """Padded call size: the next power of two (one compiled shape per size class)."""
+  return 1 << max(n - 1, 0).bit_length()
+
+
+def pinned_host_put(x: jax.Array):
+  """An asynchronous device-to-host copy into page-locked memory where the device has the
+  ``pinned_host`` memory kind; the array itself otherwise (read back later)."""
+  device = next(iter(x.devices()))
+  if any(m.kind == "pinned_host" for m in device.addressable_memories()):
+    return jax.device_put(x, jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host"))
+  return x
+
+
+def to_device(rows, caches: dict[str, jax.Array]) -> jax.Array:
+  """Host rows (pinned or NumPy) back in the caches' device memory (asynchronous)."""
+  device = next(iter(next(iter(caches.values())).devices()))
+  return jax.device_put(rows, jax.sharding.SingleDeviceSharding(device, memory_kind="device"))
+
+
+def offload_fingerprint(plan: KVCacheConfig, params) -> str:
+  """What stored blocks belong to: the block layout of the plan (groups, pages, offsets, dtypes,
+  block size) and a strided sample of every weight, as a SHA-256 hex digest. Blocks saved under
+  another fingerprint are never read."""
+  layout = {
+      "layout": plan.layout, "block_size": plan.block_size, "bytes_per_block": plan.bytes_per_block,
+      "groups": [[list(g.layer_names), [repr(s) for s in g.layer_specs]] for g in plan.kv_cache_groups],
+      "pages": [[v.layer_name, v.tensor, v.tensor_offset_bytes, v.page_bytes, v.block_stride_bytes] for v in plan.views],
+  }
+  h = hashlib.sha256(json.dumps(layout, sort_keys=True).encode())
+  leaves = jax.tree.leaves(params)
+  samples = jax.jit(lambda xs: [x.reshape(-1)[::max(1, x.size // 64)][:64] for x in xs])(leaves)
+  for leaf, sample in zip(leaves, samples):
+    h.update(repr((leaf.shape, str(leaf.dtype))).encode())
+    h.update(np.asarray(sample).tobytes())
+  return h.hexdigest()
+
+
+class KVConnectorBase(abc.ABC):
+  """The two sides of a connector, as the engine calls them each step.
+
+  Scheduler side: ``get_num_new_matched_tokens`` before a request is admitted. Worker side:
+  ``start_load_kv`` before the step is dispatched, ``save_kv`` after it, ``wait_for_save`` when
+  the caller needs the saves finished (end of ``generate``, shutdown).
+  """
+
+  @abc.abstractmethod
+  def get_num_new_matched_tokens(self, kv: KVCacheManager, request_id: str, token_ids: Sequence[int]) -> int:
+    """Makes the prefix blocks this connector holds (beyond the device's) device cache hits;
+    returns how many tokens that adds."""
+
+  @abc.abstractmethod
+  def start_load_kv(self, caches: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Dispatches the loads decided since the last call (caches donated)."""
+
+  @abc.abstractmethod
+  def save_kv(self, caches: dict[str, jax.Array], blocks: Sequence[tuple[BlockHash, int, int]]) -> None:
+    """Starts saving ``(block hash, group id, block id)`` blocks the last step completed."""
+
+  def wait_for_save(self) -> None:
+    """Blocks until every save is stored."""
+
+
+class OffloadingConnector(KVConnectorBase):
+  """Device prefix cache <-> one ``OffloadTier``, in manager blocks (module docstring).
+
+  Args:
+    plan: the engine's KV-cache plan (each group's block bytes).
+    tier: where blocks go (``HostTier``, ``DiskTier``).
+  """
+
+  def __init__(self, plan: KVCacheConfig, tier: OffloadTier):
+    self.plan = plan
+    self.tier = tier
+    self.regions = [BlockRegions.from_plan(plan, [g]) for g in range(len(plan.kv_cache_groups))]
+    self._loads: dict[int, list[tuple[int, np.ndarray]]] = {}  # group -> (block id, bytes)
+    self.num_loaded_blocks = 0
+    self.num_saved_blocks = 0
+
+  # -- scheduler side ----------------------------------------------------------------------------
+
+  def get_num_new_matched_tokens(self, kv: KVCacheManager, request_id: str, token_ids: Sequence[int]) -> int:
+    if not kv.enable_caching or len(token_ids) < 2:
+      return 0
+    pool = kv.block_pool
+    hashes = kv.block_hashes(request_id, token_ids)
+    max_blocks = (len(token_ids) - 1) // kv.hash_block_size
+    token_groups = [m.group_id for m in kv.managers if not m.spec.is_state]
+    state_groups = [m.group_id for m in kv.managers if isinstance(m, LinearAttentionStateManager)]
+    # Token blocks: on the device, else read from the tier; the run ends at the first block neither has.
+    on_device, read = [], {}  # read: key -> (block index, bytes)
+    n = device_run = 0
+    for i in range(max_blocks):
+      found = True
+      for g in token_groups:
+        block = pool.get_cached_block(hashes[i], g)
+        if block is not None:
+          on_device.append(block)
+        elif self.tier.contains((hashes[i], g)) and (data := self.tier.get((hashes[i], g))) is not None:
+          read[(hashes[i], g)] = (i, data)
+        else:
+          found = False
+          break
+      if not found:
+        break
+      n = i + 1
+      device_run += device_run == i and not any(k[0] == hashes[i] for k in read)
+    # The state checkpoints at the largest boundary that has them (the device's, or the tier's).
+    checkpoints = {}
+    end = n - 1 if kv.use_eagle else n
+    while end > 0:
+      checkpoints = {}
+      for g in state_groups:
+        key = (hashes[end - 1], g)
+        if pool.get_cached_block(*key) is None:
+          data = self.tier.get(key) if self.tier.contains(key) else None
+          if data is None:
+            break
+          checkpoints[key] = data
+      else:
+        break
+      end -= 1
+    if end == 0:
+      return 0
+    loads = {k: data for k, (i, data) in read.items() if i < end} | checkpoints
+    if not loads or len(loads) > pool.get_num_free_blocks():
+      return 0
+    pool.touch(on_device)  # not evicted by the blocks taken below
+    for (block_hash, g), data in loads.items():
+      (block,) = pool.get_new_blocks(1)
+      pool.cache_full_block(block, block_hash, g)
+      pool.free_blocks([block])  # free, cached: the admission's hit takes it like any cached block
+      self._loads.setdefault(g, []).append((block.block_id, data))
+    pool.free_blocks(on_device)
+    self.num_loaded_blocks += len(loads)
+    return (end - min(device_run, end)) * kv.hash_block_size
+
+  # -- worker side ---------------------------------------------------------------------------------
+
+  def start_load_kv(self, caches):
+    for g, items in self._loads.items():
+      size = pow2_size(len(items))
+      ids = np.full((size,), -1, np.int32)
+      data = np.zeros((size, self.regions[g].bytes_per_block), np.uint8)
+      for i, (block_id, row) in enumerate(items):
+        ids[i], data[i] = block_id, row
+      caches = scatter_blocks(caches, ids, data, regions=self.regions[g])
+    self._loads = {}
+    return caches
+
+  def save_kv(self, caches, blocks):
+    by_group: dict[int, list[tuple[BlockHash, int]]] = {}
+    for block_hash, g, block_id in blocks:
+      if not self.tier.contains((block_hash, g)):
+        by_group.setdefault(g, []).append((block_hash, block_id))
+    for g, items in by_group.items():
+      ids = np.full((pow2_size(len(items)),), -1, np.int32)
+      ids[:len(items)] = [b for _, b in items]
+      rows = gather_blocks(caches, ids, regions=self.regions[g])
+      self.tier.put([(h, g) for h, _ in items], pinned_host_put(rows))  # rows past the keys: padding
+      self.num_saved_blocks += len(items)
+
+  def wait_for_save(self) -> None:
+    self.tier.flush()
