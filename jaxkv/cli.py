@@ -23,7 +23,8 @@ _FLAGS = {
     "num_speculative_tokens": "--num-spec", "max_num_batched_tokens": "--max-num-batched-tokens",
     "max_num_reqs": "--max-num-reqs", "kv_cache_dtype": "--kv-cache-dtype",
     "indexer_cache_dtype": "--indexer-cache-dtype", "tensor_parallel_size": "--tensor-parallel-size",
-    "data_parallel_size": "--data-parallel-size",
+    "data_parallel_size": "--data-parallel-size", "enable_prefix_caching": "--enable-prefix-caching",
+    "kv_offload_dir": "--kv-offload-dir", "kv_offload": "--kv-offload", "preemption_mode": "--preemption-mode",
 }
 _FLAG_RE = re.compile(r"\b(" + "|".join(re.escape(k) for k in sorted(_FLAGS, key=len, reverse=True)) + r")(?![\w'])")
 
@@ -120,16 +121,20 @@ def _engine(args, family, config, max_len: int):
   """The engine over a checkpoint, or a built-in config with seeded random weights."""
   from jaxkv.engine import EngineConfig, LLMEngine
 
+  cache = dataclasses.replace(cache_config_from_args(args, config), max_model_len=max_len)
+  # Checked before anything is built: a bad combination of flags fails in milliseconds.
+  engine_config = EngineConfig(cache=cache, max_num_reqs=args.max_num_reqs,
+                               max_num_batched_tokens=args.max_num_batched_tokens, buckets=args.buckets,
+                               enable_prefix_caching=args.enable_prefix_caching, kv_offload=args.kv_offload,
+                               kv_offload_bytes=int(args.kv_offload_gib * 2**30), kv_offload_dir=args.kv_offload_dir,
+                               preemption_mode=args.preemption_mode, swap_space_bytes=int(args.swap_space * 2**30))
   _check_fits(args, family, config)
   if args.model_path:
     runner = family.from_pretrained(args.model_path, dtype=args.dtype, implementation=args.implementation,
                                     check_weights=args.check_weights)
   else:
     runner = family.from_random(config, dtype=args.dtype, seed=args.seed, implementation=args.implementation)
-  cache = dataclasses.replace(cache_config_from_args(args, config), max_model_len=max_len)
-  engine = LLMEngine(runner, EngineConfig(cache=cache, max_num_reqs=args.max_num_reqs,
-                                          max_num_batched_tokens=args.max_num_batched_tokens, buckets=args.buckets,
-                                          enable_prefix_caching=args.enable_prefix_caching))
+  engine = LLMEngine(runner, engine_config)
   if getattr(args, "print_plan", False):
     sys.stderr.write(engine.render_plan(family.describe(config, cache)))
   return engine
@@ -294,6 +299,26 @@ def _positive(text: str) -> int:
   return value
 
 
+def _positive_float(text: str) -> float:
+  try:
+    value = _non_negative_float(text)
+  except argparse.ArgumentTypeError:
+    value = -1.0
+  if value <= 0:
+    raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+  return value
+
+
+def _non_negative_float(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+  if not value >= 0 or value == float("inf"):
+    raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+  return value
+
+
 def _int_list(text: str) -> tuple[int, ...]:
   try:
     return tuple(int(x) for x in text.split(",") if x.strip())
@@ -347,6 +372,16 @@ def _add_engine_args(p):
   p.add_argument("--enable-prefix-caching", action="store_true",
                  help="reuse cached blocks of earlier prompts with the same prefix (KDA states checkpointed at block "
                       "boundaries; outputs bitwise those of a cold run; docs/engine.md)")
+  p.add_argument("--kv-offload", choices=("host", "disk"), default=None,
+                 help="keep prefix-cache blocks evicted from the device in host memory or on disk (needs "
+                      "--enable-prefix-caching; disk needs --kv-offload-dir)")
+  p.add_argument("--kv-offload-gib", type=_positive_float, default=4.0, help="capacity of the offload tier in GiB")
+  p.add_argument("--kv-offload-dir", default=None,
+                 help="directory of the disk tier (blocks survive restarts; created if missing)")
+  p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
+                 help="a preempted request's blocks are recomputed, or swapped to host memory and back")
+  p.add_argument("--swap-space", type=_non_negative_float, default=4.0,
+                 help="host memory in GiB for swapped blocks (--preemption-mode swap; recompute past it)")
   p.add_argument("--buckets", type=_int_list, default=None,
                  help="step token counts to compile, e.g. 32,512 (default: powers of two up to the budget)")
 

@@ -149,7 +149,7 @@ def test_every_flag_has_help_and_the_cache_flags_come_from_one_place():
     assert flags["--kv-cache-dtype"].choices == commands["inspect"]._option_string_actions["--kv-cache-dtype"].choices
 
 
-def test_generate_and_bench_with_prefix_caching(capsys):
+def test_generate_and_bench_with_prefix_caching(capsys, tmp_path):
   ids = ",".join(str(1 + (i * 7) % 200) for i in range(140))
   argv = ["generate", "--prompt-ids", ids, "--batch", "2", "--max-num-reqs", "1", "--block-size", "128",
           "--max-new-tokens", "2", "--logprobs", "2", "--json", "--max-num-batched-tokens", "128", "--buckets", "128"]
@@ -160,6 +160,15 @@ def test_generate_and_bench_with_prefix_caching(capsys):
   # One row: the second copy is admitted after the first finished, and resumes after its first block.
   assert [r["num_cached_tokens"] for r in warm] == [0, 128] and [r["num_cached_tokens"] for r in cold] == [0, 0]
   assert [(r["output_token_ids"], r["logprobs"]) for r in warm] == [(r["output_token_ids"], r["logprobs"]) for r in cold]
+  # The disk tier outlives the command: a second run finds the first one's blocks there.
+  disk = argv + ["--enable-prefix-caching", "--kv-offload", "disk", "--kv-offload-dir", str(tmp_path),
+                 "--preemption-mode", "swap", "--swap-space", "0.5"]
+  assert main(disk) == 0 and main(disk) == 0
+  again = json.loads(capsys.readouterr().out.splitlines()[-1])["requests"]
+  assert [r["num_cached_tokens"] for r in again] == [128, 128]
+  assert [r["output_token_ids"] for r in again] == [r["output_token_ids"] for r in cold]
+  assert main(["generate", "--kv-offload", "host"]) == 2
+  assert "set --enable-prefix-caching" in capsys.readouterr().err
   assert main(["bench", "--batch", "2", "--context", "130", "--steps", "2", "--block-size", "128",
                "--max-num-batched-tokens", "128", "--buckets", "2,128", "--enable-prefix-caching", "--json"]) == 0
   bench = json.loads(capsys.readouterr().out)

@@ -85,9 +85,9 @@ class EngineConfig:
       raise ValueError(f"kv_offload must be None, 'host' or 'disk', got {self.kv_offload!r}.")
     if self.kv_offload and not self.enable_prefix_caching:
       raise ValueError(f"kv_offload={self.kv_offload!r} is a second level of the prefix cache: set "
-                       "enable_prefix_caching=True (--enable-prefix-caching) too.")
+                       "enable_prefix_caching=True too.")
     if self.kv_offload == "disk" and not self.kv_offload_dir:
-      raise ValueError("kv_offload='disk' needs kv_offload_dir (--kv-offload-dir DIR), where blocks are kept.")
+      raise ValueError("kv_offload='disk' needs kv_offload_dir, the directory where blocks are kept.")
     if self.kv_offload and self.kv_offload_bytes <= 0:
       raise ValueError(f"kv_offload_bytes must be positive, got {self.kv_offload_bytes}.")
     if self.preemption_mode not in ("recompute", "swap"):

@@ -161,7 +161,9 @@ class OffloadingConnector(KVConnectorBase):
       end -= 1
     if end == 0:
       return 0
-    loads = {k: data for k, (i, data) in read.items() if i < end} | checkpoints
+    # With a draft layer the device drops the last block of its hit again: it must see one more.
+    last = end + 1 if kv.use_eagle else end
+    loads = {k: data for k, (i, data) in read.items() if i < last} | checkpoints
     if not loads or len(loads) > pool.get_num_free_blocks():
       return 0
     pool.touch(on_device)  # not evicted by the blocks taken below
