@@ -113,7 +113,7 @@ class OffloadingConnector(KVConnectorBase):
     self.tier = tier
     self.regions = [BlockRegions.from_plan(plan, [g]) for g in range(len(plan.kv_cache_groups))]
     self._loads: dict[int, list[tuple[int, np.ndarray]]] = {}  # group -> (block id, bytes)
-    self.num_loaded_blocks = 0
+    self.num_loaded_blocks = self.num_loaded_bytes = 0
     self.num_saved_blocks = 0
 
   # -- scheduler side ----------------------------------------------------------------------------
@@ -174,6 +174,7 @@ class OffloadingConnector(KVConnectorBase):
       self._loads.setdefault(g, []).append((block.block_id, data))
     pool.free_blocks(on_device)
     self.num_loaded_blocks += len(loads)
+    self.num_loaded_bytes += sum(data.nbytes for data in loads.values())
     return (end - min(device_run, end)) * kv.hash_block_size
 
   # -- worker side ---------------------------------------------------------------------------------
