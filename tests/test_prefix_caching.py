@@ -27,12 +27,11 @@ SAMPLING = SamplingParams(max_new_tokens=4, logprobs=5)
 
 @functools.lru_cache(maxsize=None)
 def prompts():
-  """A repeated prompt, two that share two blocks of it, one that shares nothing."""
+  """A repeated prompt, one that shares two blocks of it, one that shares nothing."""
   rng = np.random.default_rng(3)
   shared = [int(t) for t in rng.integers(1, 256, 2 * BS + 20)]
   other = [int(t) for t in rng.integers(1, 256, 150)]
-  return (shared, shared, shared[:2 * BS] + [int(t) for t in rng.integers(1, 256, 9)], other,
-          shared[:2 * BS + 3] + [7, 8])
+  return shared, shared, shared[:2 * BS] + [int(t) for t in rng.integers(1, 256, 9)], other
 
 
 def run(caching: bool, **kw):
@@ -63,23 +62,23 @@ def test_warm_equals_cold_bitwise(layout):
   warm, engine = run(True, layout=layout)
   assert_warm_equals_cold(warm, cold(layout=layout))
   # Hits end at block boundaries and leave at least one token to compute.
-  assert [n for *_, n in warm] == [0, 2 * BS, 2 * BS, 0, 2 * BS]
+  assert [n for *_, n in warm] == [0, 2 * BS, 2 * BS, 0]
   assert engine.kv.num_free_blocks == engine.plan.num_blocks - 1  # every block went back (cached ones are free)
 
 
-@pytest.mark.parametrize("budget", [BS - 3, BS + 5, 61])
+@pytest.mark.parametrize("budget", [BS - 3, BS + 5])
 def test_chunk_budgets_off_the_block_size_stay_bitwise(budget):
   """Chunks end at block boundaries before a prompt's last token, whatever the budget."""
   warm, _ = run(True, budget=budget)
   assert_warm_equals_cold(warm, cold())
-  assert [n for *_, n in warm] == [0, 2 * BS, 2 * BS, 0, 2 * BS]
+  assert [n for *_, n in warm] == [0, 2 * BS, 2 * BS, 0]
 
 
 def test_with_mtp_drafts_the_last_block_of_a_hit_is_recomputed():
   warm, engine = run(True, k=2)
   assert engine.num_draft_tokens > 0
   assert_warm_equals_cold(warm, cold(k=2))
-  assert [n for *_, n in warm] == [0, BS, BS, 0, BS]  # vLLM's use_eagle: one block fewer
+  assert [n for *_, n in warm] == [0, BS, BS, 0]  # vLLM's use_eagle: one block fewer
 
 
 def test_outputs_report_cached_tokens():
