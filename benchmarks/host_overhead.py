@@ -1,0 +1,104 @@
+"""Where the host's time goes in a decode step (the part of a step the GPU may wait for).
+
+Serves ``--batch`` requests of ``--context`` tokens on ``glm-5.3-flash-slice4`` (as
+``benchmarks/performance.py``: bf16 weights, fp8 pooled keys, packed layout, block 1024), then
+times ``--steps`` decode steps twice: plainly (step wall time, and the time ``step()`` spends
+waiting for the previous step's outputs, the rest being host work), and under ``cProfile`` (the
+heaviest host functions). With async scheduling the GPU idles only when the host work per step
+exceeds the GPU's time per step.
+
+    python benchmarks/host_overhead.py --batch 1 --out docs/results/host-overhead-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pathlib
+import pstats
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--config", default="glm-5.3-flash-slice4")
+  p.add_argument("--batch", type=int, default=1)
+  p.add_argument("--context", type=int, default=1024)
+  p.add_argument("--steps", type=int, default=200)
+  p.add_argument("--dtype", default="bfloat16")
+  p.add_argument("--memory-gib", type=float, default=8.0, help="KV-cache budget")
+  p.add_argument("--out", default=None, help="JSON file of the numbers and the profile's top entries")
+  args = p.parse_args()
+
+  import jax
+  import numpy as np
+
+  from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams, get_model_family
+  from jaxkv.kv_cache_config import CacheConfig
+
+  family = get_model_family("glm5_next")
+  config = family.builtin_config(args.config)
+  runner = family.from_random(config, dtype=args.dtype, seed=0, implementation="xla")
+  fp8 = args.dtype == "bfloat16"
+  cache = CacheConfig(block_size=1024, layout="packed", kv_cache_dtype=args.dtype,
+                      indexer_cache_dtype="fp8" if fp8 else args.dtype, state_dtype=args.dtype,
+                      memory_bytes=int(args.memory_gib * 2**30),
+                      max_model_len=args.context + 3 * args.steps + 64)
+  budget = min(2048, args.batch * args.context)
+  engine = LLMEngine(runner, EngineConfig(cache=cache, max_num_reqs=args.batch, max_num_batched_tokens=budget,
+                                          buckets=tuple(sorted({args.batch, budget}))))
+  engine.warmup()
+  rng = np.random.default_rng(0)
+  reqs = [engine.add_request(f"r{i}", [int(t) for t in rng.integers(1, config.vocab_size, args.context)],
+                             SamplingParams(max_new_tokens=3 * args.steps)) for i in range(args.batch)]
+  while not all(r.output_token_ids for r in reqs):
+    engine.step()
+  for _ in range(10):
+    engine.step()
+  waited = [0.0]
+  read_back = engine._read_back
+
+  def timed_read_back(out):
+    t = time.perf_counter()
+    try:
+      return read_back(out)
+    finally:
+      waited[0] += time.perf_counter() - t
+
+  engine._read_back = timed_read_back
+  lat = []
+  for _ in range(args.steps):
+    t = time.perf_counter()
+    engine.step()
+    lat.append(time.perf_counter() - t)
+  step_ms = float(np.median(lat)) * 1e3
+  host_ms = (sum(lat) - waited[0]) / args.steps * 1e3
+  prof = cProfile.Profile()
+  prof.enable()
+  for _ in range(args.steps):
+    engine.step()
+  prof.disable()
+  text = io.StringIO()
+  pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+  cum = io.StringIO()
+  pstats.Stats(prof, stream=cum).sort_stats("cumulative").print_stats(r"jaxkv|models", 25)
+  result = {"config": args.config, "batch": args.batch, "device": str(jax.devices()[0].device_kind),
+            "step_ms_p50": step_ms, "host_ms_per_step": host_ms, "wait_ms_per_step": waited[0] / args.steps * 1e3,
+            "param_leaves": len(engine._param_leaves)}
+  print(json.dumps(result))
+  print(text.getvalue())
+  print(cum.getvalue())
+  if args.out:
+    pathlib.Path(args.out).write_text(json.dumps({**result, "profile_tottime": text.getvalue(),
+                                                  "profile_cumulative": cum.getvalue()}, indent=1))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
