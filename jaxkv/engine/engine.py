@@ -215,16 +215,7 @@ class _StepStatics:
     return self is other or (isinstance(other, _StepStatics) and self._hash == other._hash and self._key == other._key)
 
 
-# The step as CUDA graphs: XLA launches a decode step's ~380 kernels from the calling thread, which
-# left the H200 waiting for launches at batch 1 (slice4: 3.59 ms per step with command buffers off,
-# 1.98 with XLA's default set, 1.79 with this one; docs/performance.md). Other backends ignore them.
-STEP_COMPILER_OPTIONS = {
-    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL",
-    "xla_gpu_graph_min_graph_size": 1,
-}
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4), compiler_options=STEP_COMPILER_OPTIONS)
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4))
 def _device_step(statics: _StepStatics, packing: _PackedInputs, param_leaves, caches, kernel_tables, packed,
                  prev_out):
   """Unpacks the step's one input buffer; returns the packed outputs, the caches, the kernel tables.
