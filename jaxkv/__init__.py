@@ -11,6 +11,7 @@ from jaxkv.attention_backend import (
     select_common_block_size,
 )
 from jaxkv.attention_group import AttentionGroup
+from jaxkv.block_copy import BlockRegion, BlockRegions, copy_blocks, gather_blocks, scatter_blocks
 from jaxkv.block_pool import BlockPool, KVCacheBlock
 from jaxkv.block_table import BlockTable, MultiGroupBlockTable, get_block_table_width
 from jaxkv.kernel_blocks import map_to_kernel_blocks
@@ -108,6 +109,12 @@ __all__ = [
     "StepMetadataSpec",
     "SlotGroup",
     "KernelTableGroup",
+    # Whole manager blocks on the device (prefix-cache checkpoints, offload, swap: jaxkv.kv_offload)
+    "BlockRegion",
+    "BlockRegions",
+    "copy_blocks",
+    "gather_blocks",
+    "scatter_blocks",
     "cdiv",
     "round_up",
 ]

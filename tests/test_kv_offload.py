@@ -16,7 +16,7 @@ import pytest
 
 from jaxkv import CacheConfig
 from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
-from jaxkv.kv_offload import DiskTier, HostTier
+from jaxkv.kv_offload import DiskTier, HostTier, offload_fingerprint
 from test_engine_equivalence import runner
 from test_prefix_caching import BS, SAMPLING, prompts
 
@@ -178,3 +178,17 @@ def test_swap_preempted_requests_produce_what_they_produce_unpreempted():
   e = engine(memory_bytes=tight, preemption_mode="swap", swap_space_bytes=1)
   assert [result(r) for r in e.generate(ps, sampling)] == roomy
   assert e.scheduler.num_preemptions > 0 and e.swap.num_swapped_out == 0
+
+
+def test_fingerprint_separates_models_and_layouts():
+  """The disk tier's directory: equal for the same weights and layout, different otherwise."""
+  import jax
+
+  params = runner().params
+  plan = engine().plan
+  fp = offload_fingerprint(plan, params)
+  assert fp == offload_fingerprint(plan, params) and len(fp) == 64
+  leaves, treedef = jax.tree.flatten(params)
+  leaves[0] = leaves[0].at[(0,) * leaves[0].ndim].add(1)  # one weight changed
+  assert offload_fingerprint(plan, jax.tree.unflatten(treedef, leaves)) != fp
+  assert offload_fingerprint(engine(layout="dense").plan, params) != fp
