@@ -98,8 +98,10 @@ class SingleTypeKVCacheManager:
     blocks = self.req_to_blocks.get(request_id, [])
     start = self.num_cached_block.get(request_id, 0)
     end = min(num_tokens // self.block_size, len(block_hashes), len(blocks))
-    new = [b for i in range(start, end) if self.block_pool.cache_full_block(blocks[i], block_hashes[i], self.group_id)
-           for b in (blocks[i],)]
+    new = []
+    for i in range(start, end):
+      if self.block_pool.cache_full_block(blocks[i], block_hashes[i], self.group_id):
+        new.append(blocks[i])
     self.num_cached_block[request_id] = max(start, end)
     return new
 
@@ -297,9 +299,6 @@ class KVCacheManager:
 
   def block_hashes(self, request_id: str, token_ids: Sequence[int]) -> list[BlockHash]:
     """The chained hashes of the full blocks of ``token_ids`` (kept per request, extended as it grows)."""
-    return self._hashes(request_id, token_ids)
-
-  def _hashes(self, request_id: str, token_ids: Sequence[int]) -> list[BlockHash]:
     hashes = self._block_hashes.setdefault(request_id, [])
     bs = self.hash_block_size
     for i in range(len(hashes), len(token_ids) // bs):
@@ -317,7 +316,7 @@ class KVCacheManager:
     empty = tuple([] for _ in self.managers)
     if not self.enable_caching or len(token_ids) < 2:
       return empty, 0
-    hashes = self._hashes(request_id, token_ids)
+    hashes = self.block_hashes(request_id, token_ids)
     n = (len(token_ids) - 1) // self.hash_block_size
     # Shrink the token groups to their common length (a group's hit must end at a cached block).
     while n > 0:
@@ -389,7 +388,7 @@ class KVCacheManager:
     if not self.enable_caching:
       return
     num_computed_tokens = min(num_computed_tokens, len(token_ids))
-    hashes = self._hashes(request_id, token_ids[:num_computed_tokens])
+    hashes = self.block_hashes(request_id, token_ids[:num_computed_tokens])
     for m in self._token_managers:
       self._newly_cached += [(b.block_hash[0], m.group_id, b.block_id)
                              for b in m.cache_blocks(request_id, hashes, num_computed_tokens)]
@@ -403,7 +402,7 @@ class KVCacheManager:
     if (not self.enable_caching or not num_computed_tokens or num_computed_tokens % bs
         or num_computed_tokens > len(token_ids)):
       return []
-    block_hash = self._hashes(request_id, token_ids[:num_computed_tokens])[num_computed_tokens // bs - 1]
+    block_hash = self.block_hashes(request_id, token_ids[:num_computed_tokens])[num_computed_tokens // bs - 1]
     copies = []
     for m in self._state_managers:
       copy = m.checkpoint(request_id, block_hash)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["cdiv", "round_up"]
+__all__ = ["cdiv", "round_up", "next_power_of_2"]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -13,3 +13,8 @@ def cdiv(a: int, b: int) -> int:
 def round_up(a: int, b: int) -> int:
   """The smallest multiple of ``b`` that is ``>= a``."""
   return cdiv(a, b) * b
+
+
+def next_power_of_2(n: int) -> int:
+  """The smallest power of two ``>= n`` (1 for ``n <= 1``): padded sizes, one compiled shape each."""
+  return 1 << max(n - 1, 0).bit_length()

@@ -406,7 +406,7 @@ class LLMEngine:
     ``num_compilations``."""
     for bucket in self.config.token_buckets:
       self._read_back(self._launch([], bucket)[0])
-    self._copy_blocks([])
+    self._copy_blocks([], warmup=True)
     return self.num_compilations
 
   def step(self) -> list[RequestOutput]:
@@ -450,14 +450,14 @@ class LLMEngine:
       if not c.num_drafts:  # the state after the chunk's last token is in the checkpointed slot
         copies += self.kv.checkpoint_states(req.request_id, req.all_token_ids, c.start + c.num_tokens)
     self._copy_blocks(copies)
+    newly_cached = self.kv.take_newly_cached()
     if self.connector is not None:  # after the checkpoint copies: they are among the blocks saved
-      self.connector.save_kv(self.caches, self.kv.take_newly_cached())
-    else:
-      self.kv.take_newly_cached()
+      self.connector.save_kv(self.caches, newly_cached)
 
-  def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-    if self._state_regions is None or not self.kv.enable_caching or (not pairs and self.num_steps):
-      return  # an empty call only at warm-up, to compile it
+  def _copy_blocks(self, pairs: list[tuple[int, int]], *, warmup: bool = False) -> None:
+    """Dispatches KDA state block copies (``warmup``: an all-padding call, to compile it)."""
+    if self._state_regions is None or not self.kv.enable_caching or not (pairs or warmup):
+      return
     src, dst = pad_block_ids(pairs, self._max_block_copies)
     self.caches = copy_blocks(self.caches, src, dst, regions=self._state_regions)
 
@@ -484,7 +484,7 @@ class LLMEngine:
     for c in chunks:
       try:
         self._lay_out(v, at, c, k)
-        laid_out.append(dataclasses.replace(c, row=c.request.row))
+        laid_out.append(c)
       except (ValueError, TypeError, OverflowError) as err:
         self._clear(packing, v, at, c)
         failed.append((c.request, err))

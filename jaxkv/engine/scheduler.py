@@ -29,8 +29,8 @@ class ScheduledChunk:
   """``num_tokens`` tokens of ``request`` from position ``start``; ``samples``: the chunk reaches
   the request's last token, whose logits pick the next one (fixed when scheduled);
   ``num_drafts``: speculative tokens after it, verified in the same step; ``row``: the request's
-  block-table row when the step was laid out (where its outputs are, even if it is preempted
-  before they are read back)."""
+  block-table row in this step (where its outputs are, even if it is preempted before they are
+  read back)."""
 
   request: Request
   start: int
@@ -58,6 +58,7 @@ class Scheduler:
     self.num_preemptions = 0
     self.connector = connector
     self.swap = swap
+    self._preempted_now: set[int] = set()  # requests preempted during the current schedule()
 
   def add(self, request: Request) -> None:
     self.waiting.append(request)
@@ -95,6 +96,7 @@ class Scheduler:
     request.status = RequestStatus.WAITING
     request.num_preemptions += 1
     self.num_preemptions += 1
+    self._preempted_now.add(id(request))
     self.waiting.appendleft(request)
 
   def _allocate(self, request: Request, n: int, hits=None) -> bool:
@@ -128,11 +130,11 @@ class Scheduler:
   def _chunk(request: Request, n: int) -> ScheduledChunk:
     start = request.num_computed_tokens
     end = start + n
-    return ScheduledChunk(request, start, n, end >= request.num_tokens, max(0, end - request.num_tokens))
+    return ScheduledChunk(request, start, n, end >= request.num_tokens, max(0, end - request.num_tokens), request.row)
 
   def schedule(self) -> list[ScheduledChunk]:
     budget = self.budget
-    preempted_before = {id(r): r.num_preemptions for r in self.running}
+    self._preempted_now.clear()
     chunks: list[ScheduledChunk] = []
     for request in list(self.running):
       if budget == 0:
@@ -153,7 +155,7 @@ class Scheduler:
     while self.waiting and budget > 0 and self.free_rows:
       request = self.waiting[0]
       swapped = self.swap is not None and self.swap.is_swapped(request.request_id)
-      if swapped and request.num_preemptions > preempted_before.get(id(request), request.num_preemptions):
+      if swapped and id(request) in self._preempted_now:
         break  # swapped out during this schedule: its blocks are gathered when this step is dispatched
       hits = None
       if not swapped:

@@ -33,13 +33,9 @@ from jaxkv.block_pool import BlockHash
 from jaxkv.kv_cache_config import KVCacheConfig
 from jaxkv.kv_cache_manager import KVCacheManager, LinearAttentionStateManager
 from jaxkv.kv_offload.tier import OffloadTier
+from jaxkv.utils import next_power_of_2
 
-__all__ = ["KVConnectorBase", "OffloadingConnector", "offload_fingerprint", "pinned_host_put", "pow2_size", "to_device"]
-
-
-def pow2_size(n: int) -> int:
-  """Padded call size: the next power of two (one compiled shape per size class)."""
-  return 1 << max(n - 1, 0).bit_length()
+__all__ = ["KVConnectorBase", "OffloadingConnector", "offload_fingerprint", "pinned_host_put", "to_device"]
 
 
 def pinned_host_put(x: jax.Array):
@@ -128,22 +124,25 @@ class OffloadingConnector(KVConnectorBase):
     state_groups = [m.group_id for m in kv.managers if isinstance(m, LinearAttentionStateManager)]
     # Token blocks: on the device, else read from the tier; the run ends at the first block neither has.
     on_device, read = [], {}  # read: key -> (block index, bytes)
-    n = device_run = 0
+    n = device_run = 0  # blocks found in all; leading blocks wholly on the device
     for i in range(max_blocks):
-      found = True
+      found_all, on_device_all = True, True
       for g in token_groups:
         block = pool.get_cached_block(hashes[i], g)
         if block is not None:
           on_device.append(block)
-        elif self.tier.contains((hashes[i], g)) and (data := self.tier.get((hashes[i], g))) is not None:
-          read[(hashes[i], g)] = (i, data)
-        else:
-          found = False
+          continue
+        on_device_all = False
+        data = self.tier.get((hashes[i], g)) if self.tier.contains((hashes[i], g)) else None
+        if data is None:
+          found_all = False
           break
-      if not found:
+        read[(hashes[i], g)] = (i, data)
+      if not found_all:
         break
       n = i + 1
-      device_run += device_run == i and not any(k[0] == hashes[i] for k in read)
+      if on_device_all and device_run == i:
+        device_run = n
     # The state checkpoints at the largest boundary that has them (the device's, or the tier's).
     checkpoints = {}
     end = n - 1 if kv.use_eagle else n
@@ -181,7 +180,7 @@ class OffloadingConnector(KVConnectorBase):
 
   def start_load_kv(self, caches):
     for g, items in self._loads.items():
-      size = pow2_size(len(items))
+      size = next_power_of_2(len(items))
       ids = np.full((size,), -1, np.int32)
       data = np.zeros((size, self.regions[g].bytes_per_block), np.uint8)
       for i, (block_id, row) in enumerate(items):
@@ -196,7 +195,7 @@ class OffloadingConnector(KVConnectorBase):
       if not self.tier.contains((block_hash, g)):
         by_group.setdefault(g, []).append((block_hash, block_id))
     for g, items in by_group.items():
-      ids = np.full((pow2_size(len(items)),), -1, np.int32)
+      ids = np.full((next_power_of_2(len(items)),), -1, np.int32)
       ids[:len(items)] = [b for _, b in items]
       rows = gather_blocks(caches, ids, regions=self.regions[g])
       self.tier.put([(h, g) for h, _ in items], pinned_host_put(rows))  # rows past the keys: padding

@@ -18,7 +18,8 @@ import numpy as np
 
 from jaxkv.block_copy import BlockRegions, gather_blocks, scatter_blocks
 from jaxkv.kv_cache_config import KVCacheConfig
-from jaxkv.kv_offload.connector import pinned_host_put, pow2_size, to_device
+from jaxkv.kv_offload.connector import pinned_host_put, to_device
+from jaxkv.utils import next_power_of_2
 
 __all__ = ["SwapSpace"]
 
@@ -59,7 +60,7 @@ class SwapSpace:
   def start_swap_out(self, caches: dict[str, jax.Array]) -> None:
     """Gathers the blocks of requests preempted since the last call and starts their copy to host."""
     for request_id, g, ids in self._out:
-      padded = np.full((pow2_size(len(ids)),), -1, np.int32)
+      padded = np.full((next_power_of_2(len(ids)),), -1, np.int32)
       padded[:len(ids)] = ids
       self._swapped[request_id][g] = (pinned_host_put(gather_blocks(caches, padded, regions=self.regions[g])), len(ids))
     self._out = []
