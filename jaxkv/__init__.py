@@ -4,6 +4,28 @@ Block tables and slot mappings are in KV-cache-manager blocks; each attention gr
 to the kernel blocks its backend reads (kernel block ``j`` of block ``b`` is ``b * stride + j``).
 """
 
+import importlib.util as _importlib_util
+import os as _os
+
+
+def _check_sibling_packages() -> None:
+  # jaxkv ships three top-level packages (the repository's layout). Another distribution's
+  # ``models`` or ``pallas_kernels`` earlier on sys.path would otherwise be imported in their place
+  # and fail far from here, or worse, not fail.
+  root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+  for name in ("models", "pallas_kernels"):
+    spec = _importlib_util.find_spec(name)
+    where = None if spec is None or spec.origin is None else _os.path.dirname(_os.path.dirname(spec.origin))
+    if where is None or _os.path.realpath(where) != _os.path.realpath(root):
+      found = "nothing" if spec is None else (spec.origin or "a namespace package")
+      raise ImportError(
+          f"jaxkv needs its own top-level package {name!r} next to it in {root}, but importing {name!r} finds "
+          f"{found}: another package of that name shadows it. Install jaxkv in its own environment (as "
+          f"`sh .ci/venv.sh` does) or remove the other {name!r} from sys.path.")
+
+
+_check_sibling_packages()
+
 from jaxkv.attention_backend import (
     AttentionBackend,
     customize_attention_spec,

@@ -35,6 +35,18 @@ def test_module_entry_point_help():
   assert "--layout" in out.stdout and "--json" in out.stdout
 
 
+def test_a_foreign_models_package_on_the_path_is_named_not_imported(tmp_path):
+  # jaxkv's sibling top-level packages (models, pallas_kernels) can clash with another
+  # distribution's; the import must say so instead of loading the wrong one.
+  (tmp_path / "models").mkdir()
+  (tmp_path / "models" / "__init__.py").write_text("")
+  out = subprocess.run([sys.executable, "-c", "import jaxkv"], capture_output=True, text=True, cwd=tmp_path,
+                       env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+  assert out.returncode == 1
+  assert "ImportError: jaxkv needs its own top-level package 'models'" in out.stderr
+  assert str(tmp_path / "models" / "__init__.py") in out.stderr
+
+
 def test_generate_json_on_the_embedded_model(capsys):
   assert main(["generate", "--prompt-ids", "5,6,7,8,9,10", "--batch", "2", "--max-new-tokens", "3", "--logprobs",
                "2", "--json"]) == 0
