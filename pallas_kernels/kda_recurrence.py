@@ -42,23 +42,30 @@ def _kda_kernel(start_ref, len_ref, slot_ref, q_ref, k_ref, v_ref, g_ref, beta_r
   del states_in_ref
   r, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   cols = pl.ds(vb * block_v, block_v)
-  start = start_ref[r]
+  start, end = start_ref[r], start_ref[r] + len_ref[r]
 
-  def body(t, s):
-    k = k_ref[t, h, :]
-    s = s * jnp.exp(g_ref[t, h, :])[:, None]
-    u = beta_ref[t, h] * (v_ref[t, h, cols] - jnp.sum(s * k[:, None], axis=0))
+  def load(t):
+    return (q_ref[t, h, :], k_ref[t, h, :], v_ref[t, h, cols], g_ref[t, h, :], beta_ref[t, h], slot_ref[t])
+
+  def body(t, carry):
+    s, (q, k, v, g, beta, slot) = carry
+    # Issue the next token's loads before this token's math: the loop is a chain of dependent
+    # updates, so hiding the global-load latency behind it is what a long prefill chunk gains.
+    nxt = load(jnp.minimum(t + 1, end - 1))
+    s = s * jnp.exp(g)[:, None]
+    u = beta * (v - jnp.sum(s * k[:, None], axis=0))
     s = s + k[:, None] * u[None, :]
-    o_ref[t, h, cols] = jnp.sum(s * q_ref[t, h, :][:, None], axis=0)
-    slot = slot_ref[t]
+    o_ref[t, h, cols] = jnp.sum(s * q[:, None], axis=0)
 
     @pl.when((slot >= 0) & (slot < num_slots))
     def _():
       states_ref[r, slot, h, :, cols] = s
 
-    return s
+    return s, nxt
 
-  jax.lax.fori_loop(start, start + len_ref[r], body, state_ref[r, h, :, cols])
+  @pl.when(end > start)
+  def _():
+    jax.lax.fori_loop(start, end, body, (state_ref[r, h, :, cols], load(start)))
 
 
 def _validate(q, k, v, g, beta, state, states, req_indices, slot):
