@@ -23,7 +23,8 @@ _FLAGS = {
     "num_speculative_tokens": "--num-spec", "max_num_batched_tokens": "--max-num-batched-tokens",
     "max_num_reqs": "--max-num-reqs", "kv_cache_dtype": "--kv-cache-dtype",
     "indexer_cache_dtype": "--indexer-cache-dtype", "tensor_parallel_size": "--tensor-parallel-size",
-    "data_parallel_size": "--data-parallel-size", "enable_prefix_caching": "--enable-prefix-caching",
+    "data_parallel_size": "--data-parallel-size", "enable_expert_parallel": "--enable-expert-parallel",
+    "enable_prefix_caching": "--enable-prefix-caching",
     "kv_offload_dir": "--kv-offload-dir", "kv_offload": "--kv-offload", "preemption_mode": "--preemption-mode",
 }
 _FLAG_RE = re.compile(r"\b(" + "|".join(re.escape(k) for k in sorted(_FLAGS, key=len, reverse=True)) + r")(?![\w'])")
@@ -127,7 +128,16 @@ def _engine(args, family, config, max_len: int):
                                max_num_batched_tokens=args.max_num_batched_tokens, buckets=args.buckets,
                                enable_prefix_caching=args.enable_prefix_caching, kv_offload=args.kv_offload,
                                kv_offload_bytes=int(args.kv_offload_gib * 2**30), kv_offload_dir=args.kv_offload_dir,
-                               preemption_mode=args.preemption_mode, swap_space_bytes=int(args.swap_space * 2**30))
+                               preemption_mode=args.preemption_mode, swap_space_bytes=int(args.swap_space * 2**30),
+                               tensor_parallel_size=args.tensor_parallel_size,
+                               data_parallel_size=args.data_parallel_size,
+                               enable_expert_parallel=args.enable_expert_parallel)
+  if engine_config.num_devices > 1:
+    from jaxkv.engine import make_mesh
+
+    make_mesh(args.tensor_parallel_size, args.data_parallel_size)  # enough devices?
+    family.check_parallel(config, tensor_parallel_size=args.tensor_parallel_size,
+                          data_parallel_size=args.data_parallel_size, expert_parallel=args.enable_expert_parallel)
   _check_fits(args, family, config)
   if args.model_path:
     runner = family.from_pretrained(args.model_path, dtype=args.dtype, implementation=args.implementation,
@@ -357,9 +367,22 @@ def _add_cache_args(p: argparse.ArgumentParser, kind: str) -> None:
                       "ring, gives each KDA state one slot per draft")
 
 
+def _add_parallel_args(p: argparse.ArgumentParser, kind: str) -> None:
+  tp_help = {"inspect": "also show one device's weights, cache and capacity with heads split over this many devices",
+             "engine": "run the step on this many devices, heads, MLP widths and vocabulary split over them "
+                       "(docs/sharding.md)"}[kind]
+  p.add_argument("--tensor-parallel-size", type=_positive, default=1, help=tp_help)
+  p.add_argument("--data-parallel-size", type=_positive, default=1,
+                 help="data-parallel replicas; with --enable-expert-parallel the experts split over all data x "
+                      "tensor devices" + (" (the engine needs --enable-expert-parallel with it)" if kind == "engine" else ""))
+  p.add_argument("--enable-expert-parallel", action="store_true",
+                 help="split the routed experts over all data x tensor devices instead of each over the tensor axis")
+
+
 def _add_engine_args(p):
   _add_model_args(p, "glm-5.3-flash-tiny")
   _add_cache_args(p, "engine")
+  _add_parallel_args(p, "engine")
   p.add_argument("--seed", type=int, default=0, help="random weights and sampling seed")
   p.add_argument("--force", action="store_true",
                  help="build the model even when its weights and KV cache exceed the device's memory")
@@ -406,13 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
   _add_model_args(p, "glm-5.3-flash")
   _add_cache_args(p, "inspect")
   p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
-  p.add_argument("--tensor-parallel-size", type=_positive, default=1,
-                 help="also show one device's weights, cache and capacity with heads split over this many devices")
-  p.add_argument("--data-parallel-size", type=_positive, default=1,
-                 help="data-parallel replicas (each serves its own requests; experts split over all devices with "
-                      "--enable-expert-parallel)")
-  p.add_argument("--enable-expert-parallel", action="store_true",
-                 help="split the routed experts over all data x tensor devices instead of each over the tensor axis")
+  _add_parallel_args(p, "inspect")
   p.add_argument("--plot", metavar="FILE", default=None,
                  help="also draw one block (layers' pages, kernel pages, alignment padding) into FILE (.png, .svg; "
                       "needs matplotlib: the 'plot' extra)")

@@ -2,6 +2,7 @@
 
 from jaxkv.engine.engine import EngineConfig, LLMEngine
 from jaxkv.engine.model_runner import MODEL_REGISTRY, ModelFamily, ModelRunner, get_model_family, plan_for
+from jaxkv.engine.parallel import make_mesh, replicated
 from jaxkv.engine.request import MAX_LOGPROBS, Request, RequestOutput, RequestStatus, SamplingParams
 from jaxkv.engine.sampler import sample
 from jaxkv.engine.scheduler import ScheduledChunk, Scheduler
@@ -14,6 +15,8 @@ __all__ = [
     "ModelRunner",
     "get_model_family",
     "plan_for",
+    "make_mesh",
+    "replicated",
     "MAX_LOGPROBS",
     "Request",
     "RequestOutput",

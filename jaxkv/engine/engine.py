@@ -20,10 +20,12 @@ from collections.abc import Iterable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from jaxkv.block_copy import BlockRegions, copy_blocks, pad_block_ids
 from jaxkv.block_table import MultiGroupBlockTable
 from jaxkv.engine.model_runner import ModelRunner, plan_for
+from jaxkv.engine.parallel import make_mesh, replicated
 from jaxkv.engine.request import MAX_LOGPROBS, Request, RequestOutput, RequestStatus, SamplingParams, is_int
 from jaxkv.engine.sampler import sample
 from jaxkv.engine.scheduler import Scheduler
@@ -65,6 +67,11 @@ class EngineConfig:
       caching. ``kv_offload_bytes``: the tier's capacity (least recently used blocks evicted).
     preemption_mode: ``"recompute"`` (a preempted request's blocks are freed and recomputed) or
       ``"swap"`` (moved to host memory and back, up to ``swap_space_bytes``; recompute past that).
+    tensor_parallel_size, data_parallel_size, enable_expert_parallel: vLLM's parallel sizes; above
+      one device the step runs on a ``data x tensor`` mesh (``jaxkv.engine.parallel``, the model's
+      ``shard``): heads, MLP widths and the vocabulary split over ``tensor``; the routed experts
+      split by width over ``tensor``, or with expert parallelism whole experts over all devices.
+      ``data_parallel_size`` > 1 widens the expert split and needs ``enable_expert_parallel``.
   """
 
   cache: CacheConfig = CacheConfig()
@@ -79,8 +86,18 @@ class EngineConfig:
   kv_offload_dir: str | None = None
   preemption_mode: str = "recompute"
   swap_space_bytes: int = 4 << 30
+  tensor_parallel_size: int = 1
+  data_parallel_size: int = 1
+  enable_expert_parallel: bool = False
 
   def __post_init__(self):
+    if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
+      raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} and data_parallel_size "
+                       f"{self.data_parallel_size} must be >= 1.")
+    if self.data_parallel_size > 1 and not self.enable_expert_parallel:
+      raise ValueError(f"data_parallel_size {self.data_parallel_size} without enable_expert_parallel: in one "
+                       "engine the data axis only widens the expert split. For independent replicas run one "
+                       "engine per replica, or enable expert parallelism (enable_expert_parallel).")
     if self.kv_offload not in (None, "host", "disk"):
       raise ValueError(f"kv_offload must be None, 'host' or 'disk', got {self.kv_offload!r}.")
     if self.kv_offload and not self.enable_prefix_caching:
@@ -98,6 +115,10 @@ class EngineConfig:
   @property
   def num_speculative_tokens(self) -> int:
     return self.cache.num_speculative_tokens
+
+  @property
+  def num_devices(self) -> int:
+    return self.tensor_parallel_size * self.data_parallel_size
 
   @property
   def max_model_len(self) -> int:
@@ -196,11 +217,12 @@ class _StepStatics:
   _interned: dict = {}
 
   def __init__(self, runner: ModelRunner, layout, metadata_spec: StepMetadataSpec, num_speculative_tokens: int,
-               params_treedef):
+               params_treedef, replicated: NamedSharding | None = None):
     self.runner, self.layout, self.metadata_spec = runner, layout, metadata_spec
     self.num_speculative_tokens = num_speculative_tokens
     self.params_treedef = params_treedef
-    self._key = (runner, layout, metadata_spec, num_speculative_tokens, params_treedef)
+    self.replicated = replicated  # on a mesh: the caches', tables' and outputs' one copy per device
+    self._key = (runner, layout, metadata_spec, num_speculative_tokens, params_treedef, replicated)
     self._hash = hash(self._key)
 
   @classmethod
@@ -233,7 +255,12 @@ def _device_step(statics: _StepStatics, packing: _PackedInputs, param_leaves, ca
   out, caches, kernel_tables = _step(statics, params, caches, kernel_tables, inputs, v["sample_indices"], v["next_ids"],
                                      v["draft_ids"], v["num_drafts"], v["temperature_f32"], v["top_p_f32"], v["seeds"],
                                      v["steps"])
-  return _pack_outputs(*out), caches, kernel_tables
+  out = _pack_outputs(*out), caches, kernel_tables
+  if statics.replicated is not None:
+    # Whatever XLA's partitioner chose inside, the step's state leaves as it came: the next step
+    # then finds the same input shardings (no recompilation) and its donated buffers fit.
+    out = jax.lax.with_sharding_constraint(out, statics.replicated)
+  return out
 
 
 def _step(statics: _StepStatics, params, caches, kernel_tables, inputs: StepInputs, sample_indices, next_ids,
@@ -284,6 +311,11 @@ class LLMEngine:
 
   def __init__(self, runner: ModelRunner, config: EngineConfig = EngineConfig()):
     self.config = config
+    # On a mesh: the weights placed by the model's sharding rules; everything else replicated.
+    self.mesh = make_mesh(config.tensor_parallel_size, config.data_parallel_size) if config.num_devices > 1 else None
+    if self.mesh is not None:
+      runner = runner.shard(self.mesh, expert_parallel=config.enable_expert_parallel)
+    self._replicated = replicated(self.mesh)
     self.runner = runner
     k = config.num_speculative_tokens
     if 1 + k > config.max_num_batched_tokens:
@@ -300,8 +332,8 @@ class LLMEngine:
     self.scheduler = Scheduler(self.kv, self.tables, max_num_reqs=config.max_num_reqs,
                                max_num_batched_tokens=config.max_num_batched_tokens,
                                num_lookahead_tokens=max(k - 1, 0), connector=self.connector, swap=self.swap)
-    self.caches = self.plan.allocate()
-    self.kernel_tables = self.plan.init_kernel_block_tables(config.max_num_reqs)
+    self.caches = jax.device_put(self.plan.allocate(), self._replicated)
+    self.kernel_tables = jax.device_put(self.plan.init_kernel_block_tables(config.max_num_reqs), self._replicated)
     # Prefix caching's state checkpoints and restores: whole state blocks copied on the device, at
     # most one per request row and state group per call (one compiled shape).
     state_groups = [g for g, grp in enumerate(groups) if isinstance(grp.kv_cache_spec, LinearAttentionStateSpec)]
@@ -315,7 +347,8 @@ class LLMEngine:
     if meta_impl == "auto":  # the runner's kernel switch: the kernel on a GPU, or when it asks for Pallas
       meta_impl = gpu_kernel_implementation(getattr(runner, "implementation", "xla"))
     meta_spec = StepMetadataSpec.from_plan(self.plan, implementation=meta_impl)
-    self._statics = _StepStatics.intern(runner, runner.paged_layout(self.plan), meta_spec, k, treedef)
+    self._statics = _StepStatics.intern(runner, runner.paged_layout(self.plan), meta_spec, k, treedef,
+                                        self._replicated)
     self._packings: dict[int, _PackedInputs] = {}  # by token bucket
     s, top = 1 + k, min(MAX_LOGPROBS, runner.vocab_size)
     r = config.max_num_reqs
@@ -324,7 +357,8 @@ class LLMEngine:
     self._async = config.async_scheduling and k == 0
     # The step in flight (async scheduling): its chunks and its packed outputs, not yet read back.
     self._in_flight: tuple[list, jax.Array] | None = None
-    self._prev_out = jnp.zeros(sum(math.prod(shape) for shape, _ in self._out_shapes), jnp.int32)
+    self._prev_out = jax.device_put(jnp.zeros(sum(math.prod(shape) for shape, _ in self._out_shapes), jnp.int32),
+                                    self._replicated)
     self._requests: dict[str, Request] = {}
     self._lock = threading.RLock()  # one step at a time; add_request and abort wait for it
     self._arrivals = itertools.count()
@@ -494,7 +528,7 @@ class LLMEngine:
     for g, bt in enumerate(self.tables.block_tables):
       v[f"table{g}"][...] = bt.block_table
       v[f"count{g}"][...] = bt.num_blocks_per_row
-    packed = jax.device_put(buf)  # one host-to-device transfer for the whole step
+    packed = jax.device_put(buf, self._replicated)  # one host-to-device transfer for the whole step
     out, self.caches, self.kernel_tables = _device_step(self._statics, packing, self._param_leaves, self.caches,
                                                         self.kernel_tables, packed, self._prev_out)
     self._prev_out = out

@@ -41,6 +41,9 @@ class ModelRunner(Protocol):
   def get_kv_cache_layers(self, cache_config: CacheConfig) -> Sequence[KVCacheLayer]:
     """Every cache the model keeps (and its draft head when ``num_speculative_tokens`` > 0)."""
 
+  def shard(self, mesh: jax.sharding.Mesh, *, expert_parallel: bool = False) -> ModelRunner:
+    """The same model with its weights placed on ``mesh`` (axes ``("data", "tensor")``)."""
+
   def paged_layout(self, plan: KVCacheConfig) -> Hashable:
     """The static, hashable facts of the plan the forward needs (each cache's ``KernelView``)."""
 
@@ -69,6 +72,8 @@ class ModelFamily(Protocol):
   def from_random(self, config, *, dtype: str, seed: int, implementation: str) -> ModelRunner: ...
   def get_kv_cache_layers(self, config, cache_config: CacheConfig) -> Sequence[KVCacheLayer]: ...
   def weight_bytes(self, config, dtype: str) -> int: ...
+  def check_parallel(self, config, *, tensor_parallel_size: int, data_parallel_size: int,
+                     expert_parallel: bool) -> None: ...
   def describe(self, config, cache_config: CacheConfig) -> str: ...
 
 

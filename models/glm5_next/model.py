@@ -158,6 +158,8 @@ class MoE(nnx.Module):
     self.shared_experts = MLP(config, i * config.n_shared_experts, dtype=dtype, rngs=rngs)
     self.top_k, self.scale, self.norm = config.num_experts_per_tok, config.routed_scaling_factor, config.norm_topk_prob
     self.limit = config.swiglu_limit
+    # How the routed experts split over a device mesh (``sharding.shard_model``); None: one device.
+    self.parallel = None
 
   def route(self, x):
     """Top-k experts ``[..., k]`` and their weights (float32): selection by ``sigmoid + bias``,
@@ -176,25 +178,38 @@ class MoE(nnx.Module):
                               axis=-1, inplace=False)
 
   def __call__(self, x):
-    # Only the chosen experts run: token copies sorted by expert, one grouped matmul per projection.
     lead, d = x.shape[:-1], x.shape[-1]
     idx, w = self.route(x)
-    flat = x.reshape(-1, d)
+    flat, idx, w = x.reshape(-1, d), idx.reshape(-1, self.top_k), w.reshape(-1, self.top_k)
+    experts = (self.experts_gate[...], self.experts_up[...], self.experts_down[...])
+    if self.parallel is None:
+      routed = self._routed(flat, idx, w, *experts)
+    else:
+      routed = self.parallel.routed(self._routed, flat, idx, w, *experts)
+    return routed.astype(x.dtype).reshape(*lead, d) + self.shared_experts(x)
+
+  def _routed(self, flat, idx, w, w_gate, w_up, w_down, first_expert=None):
+    """float32 ``[M, D]``: each token's chosen experts among ``w_gate.shape[0]`` local ones (all of
+    them, or from ``first_expert`` on under expert parallelism: the others contribute nothing here)."""
+    # Only the chosen experts run: token copies sorted by expert, one grouped matmul per projection.
     expert = idx.reshape(-1)
+    num_local = w_gate.shape[0]
+    if first_expert is not None:  # other devices' experts sort last, past every group: zero rows
+      expert = expert - first_expert
+      expert = jnp.where((expert >= 0) & (expert < num_local), expert, num_local)
     order = jnp.argsort(expert, stable=True)
     token = order // self.top_k
-    sizes = jnp.bincount(expert, length=self.gate_weight.shape[0]).astype(jnp.int32)
+    sizes = jnp.bincount(expert, length=num_local).astype(jnp.int32)
     xs = flat[token]
-    gate = grouped_matmul(xs, self.experts_gate[...], sizes, precision=_HP)
-    up = grouped_matmul(xs, self.experts_up[...], sizes, precision=_HP)
+    gate = grouped_matmul(xs, w_gate, sizes, precision=_HP)
+    up = grouped_matmul(xs, w_up, sizes, precision=_HP)
     h = _swiglu_clamped(gate, up, self.limit)
-    out = grouped_matmul(h, self.experts_down[...], sizes, precision=_HP)
+    out = grouped_matmul(h, w_down, sizes, precision=_HP)
     # Back to token order by a gather, then each token's k outputs summed in slot order: a
     # scatter-add of duplicate rows would sum in the GPU's atomic order, different every run.
     rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    out = out[rank].reshape(-1, self.top_k, d).astype(jnp.float32)
-    routed = jnp.sum(out * w.reshape(-1, self.top_k, 1), axis=1).astype(x.dtype)
-    return routed.reshape(*lead, d) + self.shared_experts(x)
+    out = out[rank].reshape(-1, self.top_k, flat.shape[-1]).astype(jnp.float32)
+    return jnp.sum(out * w[..., None], axis=1)
 
 
 # ---------------------------------------------------------------------------------------------

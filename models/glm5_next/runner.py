@@ -21,7 +21,7 @@ from models.glm5_next.config import BUILTIN_CONFIGS, Glm5NextConfig, get_config,
 from models.glm5_next.kv_cache import get_kv_cache_layers
 from models.glm5_next.model import Glm5NextForCausalLM
 from models.glm5_next.paged import PagedLayout, paged_hidden_states, paged_mtp_forward
-from models.glm5_next.sharding import per_device_weight_bytes
+from models.glm5_next.sharding import check_divisible, per_device_weight_bytes, shard_model
 from pallas_kernels.grouped_matmul import prepare_grouped_matmul
 from pallas_kernels.step_metadata import compute_step_metadata
 
@@ -62,6 +62,13 @@ class Glm5NextRunner:
 
   def get_kv_cache_layers(self, cache_config: CacheConfig):
     return get_kv_cache_layers(self.config, cache_config)
+
+  def shard(self, mesh, *, expert_parallel: bool = False) -> Glm5NextRunner:
+    """This model on ``mesh`` (axes ``("data", "tensor")``): the weights placed by
+    ``sharding.partition_spec``, the MoE's routed experts run per device (``ExpertSharding``)."""
+    model = self._model(jax.tree.map(lambda x: x, self.params))  # a copy: this runner keeps its weights
+    shard_model(model, mesh, expert_parallel=expert_parallel)
+    return Glm5NextRunner.from_model(model, implementation=self.implementation)
 
   def paged_layout(self, plan: KVCacheConfig) -> PagedLayout:
     return PagedLayout.from_plan(plan)
@@ -106,6 +113,7 @@ class _Family:
   builtin_config = staticmethod(get_config)
   builtin_config_names = tuple(BUILTIN_CONFIGS)
   get_kv_cache_layers = staticmethod(get_kv_cache_layers)
+  check_parallel = staticmethod(check_divisible)
 
   @staticmethod
   def from_pretrained(model_path: str, *, dtype: str = "bfloat16", implementation: str = "xla",
@@ -137,16 +145,7 @@ class _Family:
     Returns ``{"weight_bytes_bf16", "weight_bytes_fp8", "plan"}``; the plan is one device's.
     """
     tp, dp = tensor_parallel_size, data_parallel_size
-    if tp < 1 or dp < 1:
-      raise ValueError(f"tensor_parallel_size {tp} and data_parallel_size {dp} must be >= 1.")
-    heads = {"num_attention_heads": config.num_attention_heads, "index_n_heads": config.index_n_heads,
-             "linear_num_heads": config.linear_num_heads}
-    bad = {k: v for k, v in heads.items() if v % tp}
-    if bad:
-      raise ValueError(f"tensor_parallel_size {tp} must divide every head count; it does not divide {bad}.")
-    if expert_parallel and config.n_routed_experts % (tp * dp):
-      raise ValueError(f"expert parallelism deals {config.n_routed_experts} experts over {tp * dp} devices "
-                       f"(tensor {tp} x data {dp}), which does not divide them.")
+    check_divisible(config, tensor_parallel_size=tp, data_parallel_size=dp, expert_parallel=expert_parallel)
     abstract = nnx.eval_shape(lambda: Glm5NextForCausalLM(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     shapes = [(".".join(map(str, k)), tuple(v.get_value().shape), v.get_value().dtype.itemsize)
               for k, v in nnx.to_flat_state(nnx.state(abstract))]

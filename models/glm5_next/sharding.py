@@ -12,12 +12,17 @@ layout of the released fp8 checkpoints; norms, router, mHC, embedding and head s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["DATA", "TENSOR", "partition_spec", "per_device_weight_bytes"]
+__all__ = ["DATA", "TENSOR", "ExpertSharding", "check_divisible", "partition_spec", "per_device_weight_bytes",
+           "shard_model"]
 
 DATA, TENSOR = "data", "tensor"
 _EXPERTS = (DATA, TENSOR)
@@ -92,3 +97,80 @@ def per_device_weight_bytes(named_shapes, *, tensor_parallel_size: int = 1, data
     else:
       total += itemsize * n
   return total
+
+
+def check_divisible(config, *, tensor_parallel_size: int, data_parallel_size: int, expert_parallel: bool) -> None:
+  """Raises ``ValueError`` naming the counts when a mesh does not split the model's heads or experts."""
+  tp, dp = tensor_parallel_size, data_parallel_size
+  if tp < 1 or dp < 1:
+    raise ValueError(f"tensor_parallel_size {tp} and data_parallel_size {dp} must be >= 1.")
+  heads = {"num_attention_heads": config.num_attention_heads, "index_n_heads": config.index_n_heads,
+           "linear_num_heads": config.linear_num_heads}
+  bad = {k: v for k, v in heads.items() if v % tp}
+  if bad:
+    raise ValueError(f"tensor_parallel_size {tp} must divide every head count; it does not divide {bad}.")
+  if expert_parallel and config.n_routed_experts % (tp * dp):
+    raise ValueError(f"expert parallelism deals {config.n_routed_experts} experts over {tp * dp} devices "
+                     f"(tensor {tp} x data {dp}), which does not divide them.")
+  if not expert_parallel and config.moe_intermediate_size % tp:
+    raise ValueError(f"tensor_parallel_size {tp} must divide the experts' width moe_intermediate_size "
+                     f"{config.moe_intermediate_size} (or use expert parallelism).")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertSharding:
+  """How ``MoE`` runs its routed experts on a mesh (a static attribute of the module).
+
+  Each device runs the tokens' chosen experts that it holds, on every token (the activations
+  between sublayers are replicated), and the partial sums meet in one float32 ``psum``: with
+  expert parallelism each device holds ``E / (data x tensor)`` whole experts and a token's copies
+  for the others' experts contribute nothing here; without it every expert's width is split over
+  ``tensor`` and the down projection's partial products are summed. The rest of the model is left
+  to XLA's SPMD partitioner, from the weights' shardings.
+  """
+
+  mesh: Mesh
+  expert_parallel: bool
+
+  @property
+  def axes(self) -> tuple[str, ...]:
+    return (DATA, TENSOR) if self.expert_parallel else (TENSOR,)
+
+  def routed(self, routed_fn, flat, idx, w, w_gate, w_up, w_down):
+    """``routed_fn`` (``MoE._routed``) on each device's experts, summed over the mesh: float32 ``[M, D]``."""
+    axes, ep = self.axes, self.expert_parallel
+    specs = [partition_spec(f"mlp.experts_{n}", (0, 0, 0), expert_parallel=ep) for n in ("gate", "up", "down")]
+
+    def local(flat, idx, w, w_gate, w_up, w_down):
+      first = jax.lax.axis_index(axes) * w_gate.shape[0] if ep else None
+      return jax.lax.psum(routed_fn(flat, idx, w, w_gate, w_up, w_down, first), axes)
+
+    return jax.shard_map(local, mesh=self.mesh, in_specs=(P(), P(), P(), *specs), out_specs=P(),
+                         check_vma=False)(flat, idx, w, w_gate, w_up, w_down)
+
+
+def shard_model(model, mesh: Mesh, *, expert_parallel: bool = False) -> None:
+  """Places every parameter of ``model`` (a ``Glm5NextForCausalLM``) on ``mesh`` by its
+  ``partition_spec``, in place, and sets each MoE's ``ExpertSharding``.
+
+  Raises:
+    ValueError: the mesh's sizes do not divide the heads or the experts (naming them).
+  """
+  from flax import nnx
+
+  from models.glm5_next.model import MoE
+
+  check_divisible(model.config, tensor_parallel_size=mesh.shape[TENSOR], data_parallel_size=mesh.shape[DATA],
+                  expert_parallel=expert_parallel)
+  state = nnx.state(model)
+  for path, var in nnx.to_flat_state(state):
+    name = ".".join(map(str, path))
+    value = var.get_value()
+    spec = partition_spec(name, value.shape, expert_parallel=expert_parallel)
+    # From host memory: device_put of a host array to a sharding works across processes too
+    # (each process places its own devices' slices).
+    var.set_value(jax.device_put(np.asarray(value), NamedSharding(mesh, spec)))
+  nnx.update(model, state)
+  for _, module in nnx.iter_graph(model):
+    if isinstance(module, MoE):
+      module.parallel = ExpertSharding(mesh, expert_parallel)
