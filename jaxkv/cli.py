@@ -132,16 +132,18 @@ def _engine(args, family, config, max_len: int):
                                tensor_parallel_size=args.tensor_parallel_size,
                                data_parallel_size=args.data_parallel_size,
                                enable_expert_parallel=args.enable_expert_parallel)
+  mesh = None
   if engine_config.num_devices > 1:
     from jaxkv.engine import make_mesh
 
-    make_mesh(args.tensor_parallel_size, args.data_parallel_size)  # enough devices?
+    mesh = make_mesh(args.tensor_parallel_size, args.data_parallel_size)  # the engine's mesh: enough devices?
     family.check_parallel(config, tensor_parallel_size=args.tensor_parallel_size,
                           data_parallel_size=args.data_parallel_size, expert_parallel=args.enable_expert_parallel)
   _check_fits(args, family, config)
   if args.model_path:
     runner = family.from_pretrained(args.model_path, dtype=args.dtype, implementation=args.implementation,
-                                    check_weights=args.check_weights)
+                                    check_weights=args.check_weights, mesh=mesh,
+                                    expert_parallel=args.enable_expert_parallel)  # by shard on a mesh
   else:
     runner = family.from_random(config, dtype=args.dtype, seed=args.seed, implementation=args.implementation)
   engine = LLMEngine(runner, engine_config)

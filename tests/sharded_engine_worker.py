@@ -38,19 +38,40 @@ def main() -> int:
   import jax.numpy as jnp
 
   from jaxkv import CacheConfig
-  from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
+  from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams, make_mesh
+  from flax import nnx
+
+  from models.glm5_next import checkpoint
   from models.glm5_next.checkpoint import load_checkpoint
   from models.glm5_next.runner import Glm5NextRunner
 
-  _, model = load_checkpoint(FIXTURE, dtype=jnp.float32)
   expected = json.loads((FIXTURE / "expected.json").read_text())
   prompts = expected["prompts"]
   sampling = SamplingParams(max_new_tokens=len(expected["greedy"][0]), logprobs=5)
-  runner = Glm5NextRunner.from_model(model)
   out = {"process_count": jax.process_count(), "device_count": jax.device_count(), "hf_greedy":
          [[s["token"] for s in steps] for steps in expected["greedy"]], "runs": {}}
   for name in args.configs.split(","):
     c = parse(name)
+    # On a mesh the checkpoint is loaded by shard: each process reads its devices' slices.
+    mesh = make_mesh(c["tensor_parallel_size"], c["data_parallel_size"]) if name != "1x1" else None
+    read = [0]
+    original = checkpoint._Tensors.read
+
+    def counting(self, *a):
+      value = original(self, *a)
+      read[0] += value.size
+      return value
+
+    checkpoint._Tensors.read = counting
+    try:
+      _, model = load_checkpoint(FIXTURE, dtype=jnp.float32, mesh=mesh, expert_parallel=c["enable_expert_parallel"])
+    finally:
+      checkpoint._Tensors.read = original
+    leaves = jax.tree.leaves(nnx.state(model))
+    # Elements this process read, its devices' shards hold, and the whole model has.
+    loaded = {"read": read[0], "held": sum(s.data.size for x in leaves for s in x.addressable_shards),
+              "model": sum(x.size for x in leaves)}
+    runner = Glm5NextRunner.from_model(model)
     cache = CacheConfig(block_size=256, layout="dense", kernel_block_size=64) if c["dense"] else CacheConfig(block_size=128)
     engine = LLMEngine(runner, EngineConfig(
         cache=cache, max_num_reqs=4, max_num_batched_tokens=64, buckets=(64,),
@@ -60,7 +81,7 @@ def main() -> int:
     reqs = engine.generate(prompts, sampling)
     out["runs"][name] = {"tokens": [r.output_token_ids for r in reqs],
                          "top5": [[[[i, lp] for i, lp in s] for s in r.output_logprobs] for r in reqs],
-                         "compiled_in_warmup": warm, "compiled_at_end": engine.num_compilations}
+                         "compiled_in_warmup": warm, "compiled_at_end": engine.num_compilations, "loaded": loaded}
   if jax.process_index() == 0:
     print(json.dumps(out), flush=True)
   return 0

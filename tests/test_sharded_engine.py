@@ -1,6 +1,6 @@
 """The engine on a device mesh gives the single-device tokens: tensor, expert and data x tensor expert
 parallelism on 8 CPU devices, a kernel-block split under tensor parallelism, and two processes under
-``jax.distributed`` (gloo collectives). Each run is a subprocess (``sharded_engine_worker.py``): the
+``jax.distributed`` (gloo collectives), each loading the checkpoint by shard. Each run is a subprocess (``sharded_engine_worker.py``): the
 CPU device count is fixed when JAX starts.
 
 Tolerance: the row-parallel projections and the experts' partial sums add in another order on a
@@ -61,4 +61,7 @@ def test_two_processes_under_jax_distributed_match_hf():
   result = json.loads(outs[0][0].strip().splitlines()[-1])
   assert '"runs"' not in outs[1][0]
   assert result["process_count"] == 2 and result["device_count"] == 2
-  assert result["runs"]["1x2"]["tokens"] == result["hf_greedy"]
+  run = result["runs"]["1x2"]
+  assert run["tokens"] == result["hf_greedy"]
+  # Loaded by shard: process 0 read exactly what its device holds, less than the whole model.
+  assert run["loaded"]["read"] == run["loaded"]["held"] < run["loaded"]["model"]

@@ -56,12 +56,8 @@ def checkpoint_name(path: tuple, num_layers: int) -> str:
   return name
 
 
-def read_safetensors(model_path: str | pathlib.Path) -> dict[str, np.ndarray]:
-  """All tensors of ``model.safetensors`` or of the shards listed in ``model.safetensors.index.json``."""
-  from safetensors import safe_open
-
-  from safetensors import SafetensorError
-
+def _checkpoint_files(model_path: str | pathlib.Path) -> list[pathlib.Path]:
+  """``model.safetensors``, or the shards listed in ``model.safetensors.index.json`` (inside the directory)."""
   root = pathlib.Path(model_path)
   index = root / "model.safetensors.index.json"
   if index.is_file():
@@ -74,19 +70,57 @@ def read_safetensors(model_path: str | pathlib.Path) -> dict[str, np.ndarray]:
     files = ["model.safetensors"]
   else:
     raise ValueError(f"no model.safetensors or model.safetensors.index.json in {root}.")
-  out = {}
   base = root.resolve()
+  paths = []
   for f in files:
     path = (root / str(f)).resolve()
     if not isinstance(f, str) or base not in path.parents:  # shards live in the checkpoint directory
       raise ValueError(f"{index}: shard {f!r} is outside the checkpoint directory {root}; refusing to read it.")
-    try:
-      with safe_open(path, framework="flax") as fh:
+    paths.append(path)
+  return paths
+
+
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
+                       "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+class _Tensors:
+  """A checkpoint's tensors by name, read lazily: shapes and dtypes from the headers, values or
+  slices (``read(name, index)``, through ``safe_open(...).get_slice``) only when asked."""
+
+  def __init__(self, model_path: str | pathlib.Path):
+    from safetensors import SafetensorError, safe_open
+
+    self._slices = {}
+    for path in _checkpoint_files(model_path):
+      try:
+        fh = safe_open(path, framework="numpy")
         for k in fh.keys():
-          out[k] = fh.get_tensor(k)
-    except (SafetensorError, OSError) as err:
-      raise ValueError(f"{path} is not a readable safetensors file: {err}") from None
-  return out
+          self._slices[k] = fh.get_slice(k)
+      except (SafetensorError, OSError) as err:
+        raise ValueError(f"{path} is not a readable safetensors file: {err}") from None
+
+  def names(self):
+    return self._slices.keys()
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return tuple(self._slices[name].get_shape())
+
+  def dtype(self, name: str) -> str:
+    """NumPy's name of the stored dtype (``"float32"``, ``"bfloat16"``, ``"int32"``, ...)."""
+    raw = self._slices[name].get_dtype()
+    return _SAFETENSORS_DTYPES.get(raw, raw.lower())
+
+  def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+    sl = self._slices[name]
+    return sl[:] if index is None else sl[index]
+
+
+def read_safetensors(model_path: str | pathlib.Path) -> dict[str, np.ndarray]:
+  """All tensors of ``model.safetensors`` or of the shards listed in ``model.safetensors.index.json``."""
+  tensors = _Tensors(model_path)
+  return {k: tensors.read(k) for k in tensors.names()}
 
 
 def _strip(name: str) -> str | None:
@@ -100,61 +134,86 @@ def _strip(name: str) -> str | None:
   return name
 
 
-def load_checkpoint(model_path: str | pathlib.Path, *, dtype=None,
-                    check_weights: bool = False) -> tuple[Glm5NextConfig, Glm5NextForCausalLM]:
+def load_checkpoint(model_path: str | pathlib.Path, *, dtype=None, check_weights: bool = False, mesh=None,
+                    expert_parallel: bool = False) -> tuple[Glm5NextConfig, Glm5NextForCausalLM]:
   """Config and model of an HF checkpoint directory.
 
   Args:
     dtype: cast every tensor to it (e.g. ``jnp.float32``); None keeps the stored dtypes.
     check_weights: refuse tensors with NaN or infinite entries (one pass over the weights).
+    mesh: load by shard onto this ``("data", "tensor")`` mesh: every parameter is placed by its
+      ``sharding.partition_spec`` and each process reads only its own devices' slices of each
+      tensor (``safe_open(...).get_slice``), never the whole model. None: whole tensors, one device.
+    expert_parallel: the experts' split on ``mesh`` (``sharding.partition_spec``).
+
+  Raises:
+    ValueError: missing, unknown, mis-shaped or non-float tensors (naming them), or a mesh whose
+      sizes do not divide the heads or experts.
   """
+  from jax.sharding import NamedSharding
+
+  from models.glm5_next.sharding import DATA, TENSOR, check_divisible, partition_spec
+
   config = load_config(model_path)
-  tensors = {}
-  for name, value in read_safetensors(model_path).items():
+  source = _Tensors(model_path)
+  where = {}  # stripped name -> the checkpoint's name
+  for name in source.names():
     key = _strip(name)
     if key is not None:
-      tensors[key] = value
+      where[key] = name
   mtp_prefix = f"layers.{config.num_hidden_layers}."
-  has_mtp = any(k.startswith(mtp_prefix) for k in tensors)
+  has_mtp = any(k.startswith(mtp_prefix) for k in where)
   if not has_mtp and config.num_nextn_predict_layers:
     import dataclasses
 
     config = dataclasses.replace(config, num_nextn_predict_layers=0)
+  if mesh is not None:
+    check_divisible(config, tensor_parallel_size=mesh.shape[TENSOR], data_parallel_size=mesh.shape[DATA],
+                    expert_parallel=expert_parallel)
   abstract = nnx.eval_shape(lambda: Glm5NextForCausalLM(config, dtype=dtype or jnp.float32, rngs=None))
   graphdef, state = nnx.split(abstract)
-  flat = nnx.to_flat_state(state)
   used: set[str] = set()
   missing, misshaped, not_float, not_finite = [], [], [], []
   leaves = []
-  for path, var in flat:
+  for path, var in nnx.to_flat_state(state):
     template = checkpoint_name(path, config.num_hidden_layers)
-    want = var.get_value().shape
-    if "{e}" in template:
-      names = [template.format(e=e) for e in range(want[0])]
-      absent = [n for n in names if n not in tensors]
-      if absent:
-        missing += absent
-        leaves.append((path, var))
-        continue
-      value = jnp.stack([tensors[n].T for n in names])  # [out, in] -> the grouped matmul's [in, out]
-      used.update(names)
-    elif template not in tensors:
-      missing.append(template)
+    want = tuple(var.get_value().shape)
+    stacked = "{e}" in template  # experts: [E, in, out] from E checkpoint tensors [out, in]
+    names = [template.format(e=e) for e in range(want[0])] if stacked else [template]
+    absent = [n for n in names if n not in where]
+    if absent:
+      missing += absent
       leaves.append((path, var))
       continue
+    used.update(names)
+    shape = (len(names), *source.shape(where[names[0]])[::-1]) if stacked else source.shape(where[template])
+    if shape != want or (stacked and any(source.shape(where[n]) != want[:0:-1] for n in names)):
+      misshaped.append(f"{template}: checkpoint {list(shape)}, model {list(want)}")
+      continue
+    if not all(source.dtype(where[n]).startswith(("float", "bfloat")) for n in names):  # no quantization config
+      not_float.append(f"{template}: {source.dtype(where[names[0]])}")
+      continue
+
+    def read(index, names=names, stacked=stacked, template=template):
+      """The block ``index`` of the parameter (all of it: ``index`` of full slices), as the model stores it."""
+      index = tuple(index) + (slice(None),) * (len(want) - len(index))
+      if stacked:
+        e, rows, cols = index
+        value = np.stack([source.read(where[n], (cols, rows)).T for n in names[e]])
+      else:
+        value = source.read(where[template], index)
+      if check_weights and not np.isfinite(value.astype(np.float32)).all() and template not in not_finite:
+        not_finite.append(template)
+      return value if dtype is None else value.astype(dtype)
+
+    if mesh is None:
+      value = jnp.asarray(read(()))
     else:
-      value = jnp.asarray(tensors[template])
-      used.add(template)
-    if tuple(value.shape) != tuple(want):
-      misshaped.append(f"{template}: checkpoint {list(value.shape)}, model {list(want)}")
-    if not jnp.issubdtype(value.dtype, jnp.floating):  # no quantization config is read: weights are floats
-      not_float.append(f"{template}: {value.dtype}")
-    elif check_weights and not bool(jnp.isfinite(value).all()):
-      not_finite.append(template)
-    if dtype is not None:
-      value = value.astype(dtype)
+      name = ".".join(map(str, path))
+      sharding = NamedSharding(mesh, partition_spec(name, want, expert_parallel=expert_parallel))
+      value = jax.make_array_from_callback(want, sharding, read)
     leaves.append((path, var.replace(value)))
-  unknown = sorted(set(tensors) - used)
+  unknown = sorted(set(where) - used)
   problems = []
   if missing:
     problems.append(f"missing tensors: {missing[:10]}{' ...' if len(missing) > 10 else ''} ({len(missing)})")

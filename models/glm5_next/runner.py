@@ -117,8 +117,10 @@ class _Family:
 
   @staticmethod
   def from_pretrained(model_path: str, *, dtype: str = "bfloat16", implementation: str = "xla",
-                      check_weights: bool = False) -> Glm5NextRunner:
-    _, model = load_checkpoint(model_path, dtype=_DTYPES[dtype], check_weights=check_weights)
+                      check_weights: bool = False, mesh=None, expert_parallel: bool = False) -> Glm5NextRunner:
+    """``mesh``: load by shard, each process reading only its devices' slices (``load_checkpoint``)."""
+    _, model = load_checkpoint(model_path, dtype=_DTYPES[dtype], check_weights=check_weights, mesh=mesh,
+                               expert_parallel=expert_parallel)
     return Glm5NextRunner.from_model(model, implementation=implementation)
 
   @staticmethod

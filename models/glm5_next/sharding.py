@@ -166,10 +166,12 @@ def shard_model(model, mesh: Mesh, *, expert_parallel: bool = False) -> None:
   for path, var in nnx.to_flat_state(state):
     name = ".".join(map(str, path))
     value = var.get_value()
-    spec = partition_spec(name, value.shape, expert_parallel=expert_parallel)
+    target = NamedSharding(mesh, partition_spec(name, value.shape, expert_parallel=expert_parallel))
+    if isinstance(value, jax.Array) and value.sharding.is_equivalent_to(target, value.ndim):
+      continue  # loaded by shard (``load_checkpoint(..., mesh=)``)
     # From host memory: device_put of a host array to a sharding works across processes too
     # (each process places its own devices' slices).
-    var.set_value(jax.device_put(np.asarray(value), NamedSharding(mesh, spec)))
+    var.set_value(jax.device_put(np.asarray(value), target))
   nnx.update(model, state)
   for _, module in nnx.iter_graph(model):
     if isinstance(module, MoE):
