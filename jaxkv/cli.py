@@ -282,7 +282,8 @@ def cmd_bench(args) -> int:
             **benchmark_decode(engine, prompts, steps=args.steps, new_tokens=new_tokens, profile_dir=args.profile,
                                profile_steps=profile_steps),
             "implementation": args.implementation, "layout": args.layout, "block_size": args.block_size,
-            "dtype": args.dtype}
+            "dtype": args.dtype, "tensor_parallel_size": args.tensor_parallel_size,
+            "data_parallel_size": args.data_parallel_size, "enable_expert_parallel": args.enable_expert_parallel}
   if args.num_spec and not args.model_path:
     result["acceptance_note"] = _RANDOM_DRAFTS
   if args.json:

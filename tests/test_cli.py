@@ -68,6 +68,7 @@ def test_bench_json(capsys):
   out = json.loads(capsys.readouterr().out)
   assert out["decode_steps"] == 3 and out["decode_tokens"] == 6 and out["decode_tokens_per_s"] > 0
   assert out["compilations_at_end"] == out["compilations_after_warmup"]
+  assert (out["tensor_parallel_size"], out["data_parallel_size"], out["enable_expert_parallel"]) == (1, 1, False)
 
 
 def test_argument_errors_name_the_flag_before_any_model_is_built(capsys, tmp_path):
@@ -85,7 +86,11 @@ def test_argument_errors_name_the_flag_before_any_model_is_built(capsys, tmp_pat
   for argv, message in [(["generate", "--prompt-ids", ""], "--prompt-ids must name at least one token id"),
                         (["generate", "--batch-file", str(tmp_path / "none.json")], "none.json: no such file"),
                         (["generate", "--batch-file", str(empty)], "must be a non-empty JSON list"),
-                        (["generate", "--batch-file", str(empty), "--batch", "3"], "a --batch-file already lists")]:
+                        (["generate", "--batch-file", str(empty), "--batch", "3"], "a --batch-file already lists"),
+                        (["generate", "--tensor-parallel-size", "2"], "--tensor-parallel-size 2 x --data-parallel-size 1 "
+                                                                      "needs 2 devices; 1 are visible"),
+                        (["bench", "--data-parallel-size", "2"], "--data-parallel-size 2 without "
+                                                                 "--enable-expert-parallel")]:
     assert main(argv) == 2
     assert message in capsys.readouterr().err
 
