@@ -32,7 +32,7 @@ from flax import nnx
 from models.glm5_next.config import Glm5NextConfig, load_config
 from models.glm5_next.model import Glm5NextForCausalLM
 
-__all__ = ["load_checkpoint", "checkpoint_name", "read_safetensors", "save_checkpoint"]
+__all__ = ["load_checkpoint", "checkpoint_name", "save_checkpoint"]
 
 _VISION = re.compile(r"(^|\.)(visual|vision_tower|vision_model|multi_modal_projector|mm_projector)\.")
 _EXPERT = re.compile(r"^(layers\.\d+\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -117,12 +117,6 @@ class _Tensors:
     return sl[:] if index is None else sl[index]
 
 
-def read_safetensors(model_path: str | pathlib.Path) -> dict[str, np.ndarray]:
-  """All tensors of ``model.safetensors`` or of the shards listed in ``model.safetensors.index.json``."""
-  tensors = _Tensors(model_path)
-  return {k: tensors.read(k) for k in tensors.names()}
-
-
 def _strip(name: str) -> str | None:
   if _VISION.search(name):
     return None
@@ -186,15 +180,17 @@ def load_checkpoint(model_path: str | pathlib.Path, *, dtype=None, check_weights
       leaves.append((path, var))
       continue
     used.update(names)
-    shape = (len(names), *source.shape(where[names[0]])[::-1]) if stacked else source.shape(where[template])
-    if shape != want or (stacked and any(source.shape(where[n]) != want[:0:-1] for n in names)):
+    shapes = {source.shape(where[n]) for n in names}
+    shape = (len(names), *shapes.pop()[::-1]) if stacked else shapes.pop()
+    if shapes or shape != want:  # experts of several shapes, or not the model's
       misshaped.append(f"{template}: checkpoint {list(shape)}, model {list(want)}")
       continue
     if not all(source.dtype(where[n]).startswith(("float", "bfloat")) for n in names):  # no quantization config
       not_float.append(f"{template}: {source.dtype(where[names[0]])}")
       continue
 
-    def read(index, names=names, stacked=stacked, template=template):
+    # Called at once, for this parameter (whole, or once per device block on a mesh).
+    def read(index, names=names, stacked=stacked, template=template, want=want):
       """The block ``index`` of the parameter (all of it: ``index`` of full slices), as the model stores it."""
       index = tuple(index) + (slice(None),) * (len(want) - len(index))
       if stacked:

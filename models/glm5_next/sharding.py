@@ -139,7 +139,8 @@ class ExpertSharding:
   def routed(self, routed_fn, flat, idx, w, w_gate, w_up, w_down):
     """``routed_fn`` (``MoE._routed``) on each device's experts, summed over the mesh: float32 ``[M, D]``."""
     axes, ep = self.axes, self.expert_parallel
-    specs = [partition_spec(f"mlp.experts_{n}", (0, 0, 0), expert_parallel=ep) for n in ("gate", "up", "down")]
+    specs = [partition_spec(f"mlp.experts_{n}", x.shape, expert_parallel=ep)
+             for n, x in (("gate", w_gate), ("up", w_up), ("down", w_down))]
 
     def local(flat, idx, w, w_gate, w_up, w_down):
       first = jax.lax.axis_index(axes) * w_gate.shape[0] if ep else None
