@@ -28,14 +28,16 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 KPOOL, D_IDX, H_IDX, P = 4, 128, 32, 64
 H_MLA, L_MLA, TOPK = 64, 512, 2048
-# Swept at the goal sizes (64 requests x 32k tokens); the best setting is used for every size.
-TUNING = [
-    ("paged_mqa_logits", dict(batch=64, ctx=32768),
-     [dict(pages_per_program=p, num_warps=w, num_stages=3) for p in (4, 8) for w in (2, 4)]),
-    ("sparse_mla_decode", dict(batch=64, ctx=32768),
-     # num_splits stays automatic (it depends on the batch): only the tiles are swept.
-     [dict(block_k=k, block_h=h, num_warps=8) for k in (32, 64) for h in (32, 64)]),
+# Swept at the goal sizes (``--sweep``); every setting is timed at each size and written down, and
+# the kernels' defaults are set from these runs (docs/kernels.md).
+SWEEP = [
+    ("paged_mqa_logits", [dict(batch=1, ctx=131072), dict(batch=64, ctx=32768)],
+     [dict(pages_per_program=p, num_warps=w) for p in (1, 2, 4, 8) for w in (2, 4)]),
+    ("sparse_mla_decode", [dict(batch=1, ctx=32768), dict(batch=64, ctx=32768)],
+     [dict(block_k=k, block_h=h, num_warps=w) for k in (32, 64) for h in (16, 32, 64) for w in (4, 8)]),
 ]
+# The defaults before issue 11 ("pallas_previous" in the table: the old kernels, same run).
+PREVIOUS = {"paged_mqa_logits": dict(pages_per_program=8, num_warps=2, num_stages=3)}
 
 
 def _timeit(step, state, consts, iters, repeats):
@@ -117,16 +119,20 @@ def bench_mqa_logits(batch, ctx, impl, iters, repeats, **tune):
   return t, nbytes
 
 
-def bench_sparse_mla(batch, ctx, impl, iters, repeats, **tune):
+def bench_sparse_mla(batch, ctx, impl, iters, repeats, cache_dtype="bfloat16", **tune):
   import jax
   from jaxkv import KernelView, cdiv
   import jax.numpy as jnp
   from pallas_kernels.sparse_mla_decode import sparse_mla_decode
 
+  from pallas_kernels.cache_write import encode_entries, entry_bytes
+
   bs = 1024
   blocks = batch * (ctx // bs) + 1
-  cache = jax.lax.bitcast_convert_type(
-      jax.random.normal(jax.random.key(4), (blocks, bs * L_MLA), jnp.bfloat16), jnp.uint8).reshape(blocks, -1)
+  e = entry_bytes(L_MLA, cache_dtype)
+  # Whole blocks of random latents, encoded as the cache writer stores them (fp8: values + scales).
+  latents = jax.random.normal(jax.random.key(4), (blocks * bs, L_MLA), jnp.bfloat16)
+  cache = jax.jit(encode_entries, static_argnums=1)(latents, cache_dtype).reshape(blocks, bs * e)
   rng = np.random.default_rng(1)
   table = jnp.asarray(rng.permutation(np.arange(1, blocks)).reshape(batch, ctx // bs).astype(np.int32))
   k = TOPK + KPOOL - 1
@@ -136,12 +142,12 @@ def bench_sparse_mla(batch, ctx, impl, iters, repeats, **tune):
   reqs = jnp.arange(batch, dtype=jnp.int32)
 
   def step(q_, c):
-    out = sparse_mla_decode(q_, *c, view=KernelView.for_rows(bs * L_MLA * 2, tokens_per_row=bs),
-                            cache_dtype="bfloat16", sm_scale=L_MLA ** -0.5, implementation=impl, **tune)
+    out = sparse_mla_decode(q_, *c, view=KernelView.for_rows(bs * e, tokens_per_row=bs),
+                            cache_dtype=cache_dtype, sm_scale=L_MLA ** -0.5, implementation=impl, **tune)
     return q_ + _dep(out).astype(q_.dtype)
 
   t = _timeit(step, q, (cache, idx, reqs, table), iters, repeats)
-  nbytes = batch * min(k, ctx) * L_MLA * 2 + q.nbytes + batch * H_MLA * L_MLA * 4
+  nbytes = batch * min(k, ctx) * e + q.nbytes + batch * H_MLA * L_MLA * 4
   return t, nbytes
 
 
@@ -291,6 +297,10 @@ def run(args):
     cases.append(("sparse_mla_decode", dict(batch=b, ctx=32768)))
   for c in (4096, 131072):
     cases.append(("sparse_mla_decode", dict(batch=64, ctx=c)))
+  cases.append(("paged_mqa_logits", dict(batch=1, ctx=131072)))
+  cases.append(("sparse_mla_decode", dict(batch=1, ctx=131072)))
+  for b in (1, 64):  # the fp8 latent: 528-byte entries instead of 1024
+    cases.append(("sparse_mla_decode", dict(batch=b, ctx=32768, cache_dtype="fp8")))
   for t in (8, 128, 1024, 8192):
     cases.append(("cache_write", dict(tokens=t)))
   for t in (128, 1024, 8192):
@@ -302,32 +312,42 @@ def run(args):
              and c[1].get("tokens", 1024) == 1024]
   fns = {"paged_mqa_logits": bench_mqa_logits, "sparse_mla_decode": bench_sparse_mla,
          "cache_write": bench_cache_write, "kpool_compress": bench_kpool, "step_metadata": bench_step_metadata}
-  if args.only:
-    cases = [c for c in cases if c[0] in args.only.split(",")]
-  tuned = {}
-  if not args.no_tune:
-    for name, kw, grid in TUNING:
-      if args.only and name not in args.only.split(","):
-        continue
-      best = None
+  only = args.only.split(",") if args.only else list(fns)
+  cases = [c for c in cases if c[0] in only]
+  result = {"device": dev.device_kind, "jax": jax.__version__, "bandwidth_Bps": bw, "sweep": [], "rows": rows}
+
+  def save():  # after every measurement, so a run cut short keeps what it measured
+    if args.out:
+      out = pathlib.Path(args.out)
+      out.mkdir(parents=True, exist_ok=True)
+      (out / "kernels.json").write_text(json.dumps(result, indent=1))
+
+  for name, sizes, grid in SWEEP if args.sweep else ():
+    if name not in only:
+      continue
+    for kw in sizes:
       for tune in grid:
         try:
           t, _ = fns[name](**kw, impl="pallas", iters=args.iters, repeats=args.repeats, **tune)
         except Exception as e:
-          print(f"tune {name} {tune}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+          print(f"sweep {name} {kw} {tune}: {type(e).__name__}: {str(e)[:200]}", flush=True)
           continue
-        print(f"tune {name} {kw} {tune}: {t * 1e6:.1f} us", flush=True)
-        if best is None or t < best[0]:
-          best = (t, tune)
-      if best:
-        tuned[name] = best[1]
-  print(f"tuned: {tuned}", flush=True)
+        result["sweep"].append({"kernel": name, **kw, **tune, "us": t * 1e6})
+        print(f"sweep {name} {kw} {tune}: {t * 1e6:.1f} us", flush=True)
+        save()
+  if args.sweep_only:
+    return
   for name, kw in cases:
-    row = {"kernel": name, **kw, "tuning": tuned.get(name, {})}
-    for impl in ("pallas", "xla") + (("scatter",) if name == "kpool_compress" else ()):
+    row = {"kernel": name, **kw}
+    impls = [("pallas", {}), ("xla", {})]
+    if name in PREVIOUS:
+      impls.insert(1, ("pallas_previous", PREVIOUS[name]))
+    if name == "kpool_compress":
+      impls.append(("scatter", {}))
+    for impl, tune in impls:
       try:
-        t, nbytes = fns[name](**kw, impl=impl, iters=args.iters, repeats=args.repeats,
-                              **(tuned.get(name, {}) if impl == "pallas" else {}))
+        t, nbytes = fns[name](**kw, impl=impl.removesuffix("_previous"), iters=args.iters, repeats=args.repeats,
+                              **tune)
         row[f"{impl}_us"] = t * 1e6
         row["bytes"] = nbytes
         row[f"{impl}_frac_bw"] = nbytes / t / bw
@@ -336,38 +356,43 @@ def run(args):
         traceback.print_exc()
     if "pallas_us" in row and "xla_us" in row:
       row["speedup_vs_xla"] = row["xla_us"] / row["pallas_us"]
+    if "pallas_us" in row and "pallas_previous_us" in row:
+      row["speedup_vs_previous"] = row["pallas_previous_us"] / row["pallas_us"]
     if "pallas_us" in row and "scatter_us" in row:
       row["pallas_over_bare_scatter"] = row["pallas_us"] / row["scatter_us"]
     rows.append(row)
     print(_fmt(row), flush=True)
-    result = {"device": dev.device_kind, "jax": jax.__version__, "bandwidth_Bps": bw, "tuned": tuned, "rows": rows}
-    if args.out:  # after every row, so a run cut short keeps what it measured
-      out = pathlib.Path(args.out)
-      out.mkdir(parents=True, exist_ok=True)
-      (out / "kernels.json").write_text(json.dumps(result, indent=1))
+    save()
   print("\n" + table(result))
 
 
+_SIZE_KEYS = ("batch", "ctx", "tokens", "cache_dtype")
+
+
 def _fmt(r):
-  size = " ".join(f"{k}={r[k]}" for k in ("batch", "ctx", "tokens") if k in r)
-  p = f"{r['pallas_us']:9.1f} us {100 * r['pallas_frac_bw']:5.1f}%" if "pallas_us" in r else "   failed"
-  x = f"{r['xla_us']:9.1f} us {100 * r['xla_frac_bw']:5.1f}%" if "xla_us" in r else "   failed"
-  s = f"{r['speedup_vs_xla']:6.2f}x" if "speedup_vs_xla" in r else "     -"
-  return f"{r['kernel']:<18} {size:<22} pallas {p}  xla {x}  {s}"
+  size = " ".join(f"{k}={r[k]}" for k in _SIZE_KEYS if k in r)
+  cells = []
+  for impl in ("pallas", "pallas_previous", "xla"):
+    if f"{impl}_us" in r:
+      cells.append(f"{impl} {r[f'{impl}_us']:8.1f} us {100 * r[f'{impl}_frac_bw']:5.1f}%")
+    elif f"{impl}_error" in r:
+      cells.append(f"{impl} failed")
+  return f"{r['kernel']:<18} {size:<34} " + "  ".join(cells)
 
 
 def table(result):
   bw = result["bandwidth_Bps"]
   lines = [f"{result['device']}, jax {result['jax']}, measured bandwidth {bw / 1e12:.2f} TB/s",
-           "| kernel | size | MB moved | Pallas us | Pallas frac BW | XLA us | XLA frac BW | Pallas speed-up vs XLA "
-           "| Pallas time / bare XLA scatter |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| kernel | size | MB moved | Pallas us | Pallas frac BW | previous Pallas us | speed-up vs previous "
+           "| XLA us | XLA frac BW | Pallas speed-up vs XLA | Pallas time / bare XLA scatter |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in result["rows"]:
-    size = ", ".join(f"{k} {r[k]}" for k in ("batch", "ctx", "tokens") if k in r)
-    cell = lambda k, f: (f % r[k]) if k in r else "error"
+    size = ", ".join(f"{k} {r[k]}" for k in _SIZE_KEYS if k in r)
+    cell = lambda k, f: (f % r[k]) if k in r else ("error" if k.replace("_us", "_error") in r else "-")
     lines.append(f"| {r['kernel']} | {size} | {r.get('bytes', 0) / 1e6:.2f} | {cell('pallas_us', '%.1f')} | "
-                 f"{cell('pallas_frac_bw', '%.2f')} | {cell('xla_us', '%.1f')} | {cell('xla_frac_bw', '%.2f')} | "
-                 f"{cell('speedup_vs_xla', '%.2fx')} | {r.get('pallas_over_bare_scatter', '-') if 'scatter_us' not in r else '%.2f' % r['pallas_over_bare_scatter']} |")
+                 f"{cell('pallas_frac_bw', '%.2f')} | {cell('pallas_previous_us', '%.1f')} | "
+                 f"{cell('speedup_vs_previous', '%.2fx')} | {cell('xla_us', '%.1f')} | {cell('xla_frac_bw', '%.2f')} | "
+                 f"{cell('speedup_vs_xla', '%.2fx')} | {cell('pallas_over_bare_scatter', '%.2f')} |")
   return "\n".join(lines)
 
 
@@ -382,7 +407,7 @@ def plot(path):
   fig, axes = plt.subplots(1, len(kernels), figsize=(4.5 * len(kernels), 3.8), squeeze=False)
   for ax, k in zip(axes[0], kernels):
     rows = [r for r in result["rows"] if r["kernel"] == k]
-    labels = [",".join(str(r[x]) for x in ("batch", "ctx", "tokens") if x in r) for r in rows]
+    labels = [",".join(str(r[x]) for x in _SIZE_KEYS if x in r) for r in rows]
     xs = np.arange(len(rows))
     for off, impl in ((-0.2, "pallas"), (0.2, "xla")):
       ax.bar(xs + off, [100 * r.get(f"{impl}_frac_bw", 0) for r in rows], 0.4, label=impl)
@@ -404,7 +429,8 @@ def main():
   p.add_argument("--iters", type=int, default=50)
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--quick", action="store_true", help="one size per kernel")
-  p.add_argument("--no-tune", action="store_true", help="skip the tuning sweep (kernel defaults)")
+  p.add_argument("--sweep", action="store_true", help="first time every tuning setting of SWEEP at its sizes")
+  p.add_argument("--sweep-only", action="store_true", help="with --sweep: stop after the sweep")
   p.add_argument("--plot", metavar="JSON", help="plot a results file and exit")
   p.add_argument("--only", metavar="KERNELS", help="comma-separated kernels to run (default: all)")
   args = p.parse_args()

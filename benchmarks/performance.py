@@ -59,10 +59,12 @@ def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
   return 2 * nbytes / float(np.median(times))
 
 
-def decode_bytes(runner, batch: int, context: int, plan) -> dict:
+def decode_bytes(runner, batch: int, context: int, plan, kv_cache_dtype: str = "bfloat16") -> dict:
   """Bytes one decode step must read: weights (routed experts by expected distinct count) + KV."""
   import jax
   from flax import nnx
+
+  from pallas_kernels.cache_write import entry_bytes
 
   cfg = runner.config
   dense = routed = 0
@@ -81,7 +83,7 @@ def decode_bytes(runner, batch: int, context: int, plan) -> dict:
   # KV read per step: each DSA layer's selected latents and its pooled keys; KDA states read + written.
   dsa = len(cfg.dsa_layers)
   selected = min(context, cfg.index_topk + cfg.index_kpool - 1)
-  kv = batch * dsa * (selected * cfg.kv_lora_rank * 2 + (context // cfg.index_kpool) * (cfg.index_head_dim + 4))
+  kv = batch * dsa * (selected * entry_bytes(cfg.kv_lora_rank, kv_cache_dtype) + (context // cfg.index_kpool) * (cfg.index_head_dim + 4))
   kda_state = cfg.linear_num_heads * cfg.linear_head_dim ** 2 * 4
   kv += batch * len(cfg.kda_layers) * 2 * kda_state
   del jax, plan
@@ -103,6 +105,7 @@ def main() -> int:
                  help="comma-separated EngineConfig.step_metadata_implementation values, each run in turn")
   p.add_argument("--config", default="glm-5.3-flash-slice4")
   p.add_argument("--memory-gib", type=float, default=8.0, help="KV-cache budget")
+  p.add_argument("--kv-cache-dtype", default="bfloat16", choices=("bfloat16", "fp8"), help="MLA latent cache")
   args = p.parse_args()
   batches = [int(b) for b in args.batches.split(",")]
   rows = []
@@ -139,7 +142,7 @@ def main() -> int:
   for batch in batches:
     prompts = [list(rng.integers(1, config.vocab_size, args.context)) for _ in range(batch)]
     new_tokens = args.steps + 16 + (8 if args.profile else 0)
-    cache = CacheConfig(block_size=1024, layout="packed", kv_cache_dtype="bfloat16", indexer_cache_dtype="fp8",
+    cache = CacheConfig(block_size=1024, layout="packed", kv_cache_dtype=args.kv_cache_dtype, indexer_cache_dtype="fp8",
                         state_dtype="bfloat16", memory_bytes=int(args.memory_gib * 2**30), max_model_len=args.context + new_tokens + 64)
     for meta in args.metadata_implementations.split(","):
       # Decode steps run exactly `batch` tokens (no padding routed through the MoE); prefill the budget.
@@ -148,9 +151,10 @@ def main() -> int:
                                               step_metadata_implementation=meta))
       result = benchmark_decode(engine, prompts, steps=args.steps, new_tokens=new_tokens,
                                 profile_dir=f"{args.profile}/b{batch}-{meta}" if args.profile else None)
-      need = decode_bytes(runner, batch, args.context, engine.plan)
+      need = decode_bytes(runner, batch, args.context, engine.plan, args.kv_cache_dtype)
       roof_ms = need["total_bytes"] / bandwidth * 1e3
       emit({"system": "jaxkv", "config": args.config, "build_s": build_s, "budget": args.budget,
+            "context": args.context, "kv_cache_dtype": args.kv_cache_dtype,
             "implementation": args.implementation, "step_metadata_implementation": meta, **result, **need,
             "roofline_ms": roof_ms, "roofline_fraction": roof_ms / result["step_ms_p50"]})
       del engine

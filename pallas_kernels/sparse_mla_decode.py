@@ -10,7 +10,7 @@ Token ``i`` of request ``r`` is manager slot ``table[r, i // bs] * bs + i % bs``
 layer, at the same bytes ``write_to_paged_cache`` wrote it: row ``slot // tokens_per_row``, byte
 ``page_offset + (slot % tokens_per_row) * entry_bytes`` of the backing array (dense layer array or
 packed arena), read in place through free typed bitcasts. Latent entries are bf16/f32 values or
-fp8 e4m3 with one fp32 scale per 128 values. Several queries per request (speculative
+fp8 e4m3 with one fp32 scale per 128 values (one per entry below 128). Several queries per request (speculative
 verification) are several rows ``t`` with their own indices.
 """
 
@@ -68,10 +68,10 @@ def _sparse_mla_kernel(q_ref, rows_ref, cols_ref, values_ref, scales_ref, acc_re
     valid = row >= 0
     row = jnp.maximum(row, 0)
     c = values_ref[row[:, None], col[:, None] + jnp.arange(l)[None, :]].astype(jnp.float32)  # [BK, L]
-    if scales_ref is not None:  # fp8: one fp32 scale per 128 values, right after the values
-      groups = l // FP8_GROUP
-      sc = scales_ref[row[:, None], ((col + l) // 4)[:, None] + jnp.arange(groups)[None, :]]  # [BK, G]
-      c = (c.reshape(block_k, groups, FP8_GROUP) * sc[:, :, None]).reshape(block_k, l)
+    if scales_ref is not None:  # fp8: one fp32 scale per group of values, right after the values
+      group = min(l, FP8_GROUP)
+      sc = scales_ref[row[:, None], ((col + l) // 4)[:, None] + jnp.arange(l // group)[None, :]]  # [BK, G]
+      c = (c.reshape(block_k, l // group, group) * sc[:, :, None]).reshape(block_k, l)
     # Masked rows read the null block, whose bytes may decode to NaN: 0 * NaN would poison p @ c.
     c = jnp.where(valid[:, None], c, 0.0).astype(dot_dtype)
     s = jnp.dot(q, c.T, precision=precision, preferred_element_type=jnp.float32) * sm_scale  # [BH, BK]
@@ -114,8 +114,9 @@ def _validate(q, cache, token_indices, req_indices, block_table, *, view: Kernel
     raise ValueError(f"block_table must be int32[rows, width], got {block_table.dtype}{list(block_table.shape)}.")
   if cache_dtype not in ("bfloat16", "float32", "fp8"):
     raise ValueError(f"cache_dtype must be bfloat16, float32 or fp8, got {cache_dtype!r}.")
-  if cache_dtype == "fp8" and l % FP8_GROUP:
-    raise ValueError(f"fp8 latent caches need a latent dim that is a multiple of {FP8_GROUP}, got {l}.")
+  if cache_dtype == "fp8" and l > FP8_GROUP and l % FP8_GROUP:
+    raise ValueError(f"fp8 latent caches need a latent dim below {FP8_GROUP} (one scale) or a multiple of "
+                     f"{FP8_GROUP} (one scale per {FP8_GROUP} values), got {l}.")
   e = entry_bytes(l, cache_dtype)
   align = 4 if cache_dtype == "fp8" else jnp.dtype(cache_dtype).itemsize
   if (cache.ndim != 2 or cache.dtype != jnp.uint8 or view.row_bytes % align or page_offset_bytes % align

@@ -51,6 +51,9 @@ def test_paged_mqa_logits(cache_dtype, q_dtype, p, next_n):
   kw = dict(view=view, cache_dtype=cache_dtype, pages_per_program=2)
   got = np.asarray(paged_mqa_logits(*args, **kw, implementation="pallas"))
   ref = np.asarray(paged_mqa_logits(*args, **kw, implementation="xla"))
+  # How pages are spread over programs changes no arithmetic (batch invariance of the selection).
+  for tune in (dict(pages_per_program=None), dict(pages_per_program=3)):
+    np.testing.assert_array_equal(np.asarray(paged_mqa_logits(*args, **{**kw, **tune})), got)
   # Float64 oracle.
   q64 = np.asarray(q.astype(jnp.float32), np.float64)
   want = np.full((b * next_n, max_pages * p), -np.inf)

@@ -11,7 +11,7 @@ from pallas_kernels.sparse_mla_decode import sparse_mla_decode
 
 
 @pytest.mark.parametrize("layout", ["dense", "packed"])
-@pytest.mark.parametrize("cache_dtype, rank", [("bfloat16", 32), ("float32", 32), ("fp8", 128)])
+@pytest.mark.parametrize("cache_dtype, rank", [("bfloat16", 32), ("float32", 32), ("fp8", 128), ("fp8", 32)])
 def test_sparse_mla_decode(layout, cache_dtype, rank):
   rng = np.random.default_rng(rank + len(layout) + len(cache_dtype))
   cfg, plan = tiny_plan(layout=layout, kv_cache_dtype=cache_dtype, block_size=512, kv_lora_rank=rank)
@@ -65,7 +65,7 @@ def test_validation():
   with pytest.raises(ValueError, match=r"req_indices must be int32\[2\]"):
     sparse_mla_decode(q, jnp.zeros((4, 64 * 64), jnp.uint8), jnp.zeros((2, 8), jnp.int32), jnp.zeros(3, jnp.int32),
                       jnp.zeros((2, 2), jnp.int32), view=KernelView.for_rows(64 * 64, tokens_per_row=64), sm_scale=1.0)
-  with pytest.raises(ValueError, match="multiple of 128"):
-    sparse_mla_decode(q, jnp.zeros((4, 64 * 64), jnp.uint8), jnp.zeros((2, 8), jnp.int32), jnp.zeros(2, jnp.int32),
+  with pytest.raises(ValueError, match="multiple of 128.*got 160"):
+    sparse_mla_decode(jnp.zeros((2, 4, 160), jnp.float32), jnp.zeros((4, 64 * 64), jnp.uint8), jnp.zeros((2, 8), jnp.int32), jnp.zeros(2, jnp.int32),
                       jnp.zeros((2, 2), jnp.int32), view=KernelView.for_rows(64 * 64, tokens_per_row=64), sm_scale=1.0,
                       cache_dtype="fp8")
