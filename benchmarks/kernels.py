@@ -299,6 +299,8 @@ def run(args):
     cases.append(("sparse_mla_decode", dict(batch=64, ctx=c)))
   cases.append(("paged_mqa_logits", dict(batch=1, ctx=131072)))
   cases.append(("sparse_mla_decode", dict(batch=1, ctx=131072)))
+  for b in (8, 32):  # 1024-token contexts: half of the K selected columns are -1 (tiles skipped)
+    cases.append(("sparse_mla_decode", dict(batch=b, ctx=1024)))
   for b in (1, 64):  # the fp8 latent: 528-byte entries instead of 1024
     cases.append(("sparse_mla_decode", dict(batch=b, ctx=32768, cache_dtype="fp8")))
   for t in (8, 128, 1024, 8192):

@@ -60,11 +60,8 @@ def _sparse_mla_kernel(q_ref, rows_ref, cols_ref, values_ref, scales_ref, acc_re
   precision = jax.lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
   q = q_ref[t, pl.ds(hb * bh, bh), :].astype(dot_dtype)  # [BH, L]
 
-  def body(i, carry):
+  def attend(row, col, carry):
     m, s_sum, acc = carry
-    start = (split * blocks_per_split + i) * block_k
-    row = rows_ref[t, pl.ds(start, block_k)]  # [BK]
-    col = cols_ref[t, pl.ds(start, block_k)]
     valid = row >= 0
     row = jnp.maximum(row, 0)
     c = values_ref[row[:, None], col[:, None] + jnp.arange(l)[None, :]].astype(jnp.float32)  # [BK, L]
@@ -85,6 +82,16 @@ def _sparse_mla_kernel(q_ref, rows_ref, cols_ref, values_ref, scales_ref, acc_re
     acc = acc * alpha[:, None] + jnp.dot(p.astype(dot_dtype), c, precision=precision,
                                          preferred_element_type=jnp.float32)
     return m_new, s_sum, acc
+
+  def body(i, carry):
+    start = (split * blocks_per_split + i) * block_k
+    row = rows_ref[t, pl.ds(start, block_k)]  # [BK]
+    col = cols_ref[t, pl.ds(start, block_k)]
+    # A tile that selects nothing would leave the state exactly as it is (alpha 1, p 0): skip its
+    # gathers and dots. Short contexts select fewer than K tokens, and their -1 columns sit
+    # together between the pools and the tail (topk_selection.py): prefill queries and requests
+    # under 2k tokens skip most tiles.
+    return jax.lax.cond(jnp.max(row) >= 0, functools.partial(attend, row, col), lambda c: c, carry)
 
   init = (jnp.full((bh,), -jnp.inf, jnp.float32), jnp.zeros((bh,), jnp.float32), jnp.zeros((bh, l), jnp.float32))
   m, s_sum, acc = jax.lax.fori_loop(0, blocks_per_split, body, init)
