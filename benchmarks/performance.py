@@ -99,7 +99,7 @@ def main() -> int:
   p.add_argument("--context", type=int, default=1024)
   p.add_argument("--steps", type=int, default=32)
   p.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens (prefill chunk)")
-  p.add_argument("--implementation", default="xla", choices=("xla", "pallas"))
+  p.add_argument("--implementation", default="auto", choices=("auto", "xla", "pallas"))
   p.add_argument("--profile", default=None, help="trace each batch's decode steps into DIR/bB")
   p.add_argument("--metadata-implementations", default="auto",
                  help="comma-separated EngineConfig.step_metadata_implementation values, each run in turn")
@@ -155,7 +155,7 @@ def main() -> int:
       roof_ms = need["total_bytes"] / bandwidth * 1e3
       emit({"system": "jaxkv", "config": args.config, "build_s": build_s, "budget": args.budget,
             "context": args.context, "kv_cache_dtype": args.kv_cache_dtype,
-            "implementation": args.implementation, "step_metadata_implementation": meta, **result, **need,
+            "implementation": runner.implementation, "step_metadata_implementation": meta, **result, **need,
             "roofline_ms": roof_ms, "roofline_fraction": roof_ms / result["step_ms_p50"]})
       del engine
 

@@ -281,7 +281,7 @@ def cmd_bench(args) -> int:
   result = {"config": "checkpoint" if args.model_path else args.config,
             **benchmark_decode(engine, prompts, steps=args.steps, new_tokens=new_tokens, profile_dir=args.profile,
                                profile_steps=profile_steps),
-            "implementation": args.implementation, "layout": args.layout, "block_size": args.block_size,
+            "implementation": engine.runner.implementation, "layout": args.layout, "block_size": args.block_size,
             "dtype": args.dtype, "tensor_parallel_size": args.tensor_parallel_size,
             "data_parallel_size": args.data_parallel_size, "enable_expert_parallel": args.enable_expert_parallel}
   if args.num_spec and not args.model_path:
@@ -391,8 +391,9 @@ def _add_engine_args(p):
                  help="build the model even when its weights and KV cache exceed the device's memory")
   p.add_argument("--max-num-reqs", type=_positive, default=8, help="request rows per step")
   p.add_argument("--max-num-batched-tokens", type=_positive, default=64, help="token budget per step")
-  p.add_argument("--implementation", choices=("xla", "pallas"), default="xla",
-                 help="attention kernels: the XLA reference path, or the Pallas kernels (interpret mode on a CPU)")
+  p.add_argument("--implementation", choices=("auto", "xla", "pallas"), default="auto",
+                 help="attention kernels: the Pallas kernels (interpret mode on a CPU), the XLA reference path, "
+                      "or auto: Pallas on a GPU, XLA on the CPU")
   p.add_argument("--check-weights", action="store_true",
                  help="refuse a checkpoint whose tensors hold NaN or infinite values (one pass over the weights)")
   p.add_argument("--enable-prefix-caching", action="store_true",

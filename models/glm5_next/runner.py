@@ -22,6 +22,7 @@ from models.glm5_next.kv_cache import get_kv_cache_layers
 from models.glm5_next.model import Glm5NextForCausalLM
 from models.glm5_next.paged import PagedLayout, paged_hidden_states, paged_mtp_forward
 from models.glm5_next.sharding import check_divisible, per_device_weight_bytes, shard_model
+from pallas_kernels._common import resolve_implementation
 from pallas_kernels.grouped_matmul import prepare_grouped_matmul
 from pallas_kernels.step_metadata import compute_step_metadata
 
@@ -37,7 +38,8 @@ class Glm5NextRunner:
   Attributes:
     graphdef: the Flax graph (static).
     config: the model config.
-    implementation: the kernels, ``"pallas"`` or ``"xla"``.
+    implementation: the attention kernels, ``"pallas"`` or ``"xla"`` (``from_model`` resolves
+      ``"auto"``: the Pallas kernels on a GPU, the XLA reference on the CPU).
     params: the weights; not part of equality or the hash.
   """
 
@@ -47,10 +49,10 @@ class Glm5NextRunner:
   params: Any = dataclasses.field(default=None, compare=False, repr=False)
 
   @classmethod
-  def from_model(cls, model: Glm5NextForCausalLM, *, implementation: str = "xla") -> Glm5NextRunner:
+  def from_model(cls, model: Glm5NextForCausalLM, *, implementation: str = "auto") -> Glm5NextRunner:
     prepare_grouped_matmul("auto", model.embed_tokens[...].dtype)
     graphdef, params = nnx.split(model)
-    return cls(graphdef, model.config, implementation, params)
+    return cls(graphdef, model.config, resolve_implementation(implementation), params)
 
   @property
   def vocab_size(self) -> int:
@@ -116,7 +118,7 @@ class _Family:
   check_parallel = staticmethod(check_divisible)
 
   @staticmethod
-  def from_pretrained(model_path: str, *, dtype: str = "bfloat16", implementation: str = "xla",
+  def from_pretrained(model_path: str, *, dtype: str = "bfloat16", implementation: str = "auto",
                       check_weights: bool = False, mesh=None, expert_parallel: bool = False) -> Glm5NextRunner:
     """``mesh``: load by shard, each process reading only its devices' slices (``load_checkpoint``)."""
     _, model = load_checkpoint(model_path, dtype=_DTYPES[dtype], check_weights=check_weights, mesh=mesh,
@@ -125,7 +127,7 @@ class _Family:
 
   @staticmethod
   def from_random(config: Glm5NextConfig, *, dtype: str = "float32", seed: int = 0,
-                  implementation: str = "xla") -> Glm5NextRunner:
+                  implementation: str = "auto") -> Glm5NextRunner:
     model = Glm5NextForCausalLM(config, dtype=_DTYPES[dtype], rngs=nnx.Rngs(seed))
     return Glm5NextRunner.from_model(model, implementation=implementation)
 
