@@ -105,6 +105,7 @@ def main() -> int:
                  help="comma-separated EngineConfig.step_metadata_implementation values, each run in turn")
   p.add_argument("--config", default="glm-5.3-flash-slice4")
   p.add_argument("--memory-gib", type=float, default=8.0, help="KV-cache budget")
+  p.add_argument("--explain-cache-misses", action="store_true", help="log why each trace missed jit's cache")
   p.add_argument("--kv-cache-dtype", default="bfloat16", choices=("bfloat16", "fp8"), help="MLA latent cache")
   args = p.parse_args()
   batches = [int(b) for b in args.batches.split(",")]
@@ -123,7 +124,8 @@ def main() -> int:
 
   import jax
 
-  jax.config.update("jax_explain_cache_misses", True)  # a compilation after warm-up says why
+  if args.explain_cache_misses:  # a compilation after warm-up says why
+    jax.config.update("jax_explain_cache_misses", True)
   from jaxkv.engine import EngineConfig, LLMEngine, get_model_family
   from jaxkv.engine.benchmark import benchmark_decode
   from jaxkv.kv_cache_config import CacheConfig

@@ -217,3 +217,13 @@ def test_a_soak_leaves_the_host_structures_as_they_were(rounds, per_round):
   tracemalloc.stop()
   assert sum(r.finish_reason == "length" for r in reqs) == per_round - per_round // 50
   assert memory[-1] - memory[1] < 1 << 20, memory  # no growth with the requests served
+
+
+def test_request_token_ids_window_equals_the_slice_of_the_whole_sequence():
+  from jaxkv.engine.request import Request
+
+  req = Request("r", [5, 6, 7], SamplingParams(), 0, output_token_ids=[8, 9], spec_token_ids=[10, 11])
+  whole = [5, 6, 7, 8, 9, 10, 11]
+  for start in range(-1, 9):
+    for stop in range(start, 10):
+      assert req.token_ids(start, stop) == whole[max(start, 0):max(stop, 0)], (start, stop)

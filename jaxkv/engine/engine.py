@@ -552,17 +552,17 @@ class LLMEngine:
   def _lay_out(v, at: int, c, k: int) -> None:
     """One chunk's tokens from ``at`` and its request's row fields."""
     req = c.request
-    known_tokens = req.all_token_ids
-    ids = known_tokens + req.spec_token_ids
     end = c.start + c.num_tokens
-    known_ids = min(end, len(ids)) - c.start
-    v["input_ids"][at:at + known_ids] = ids[c.start:c.start + known_ids]
+    ids = req.token_ids(c.start, end)  # the chunk's known tokens and drafts
+    known_ids = len(ids)
+    v["input_ids"][at:at + known_ids] = ids
     if known_ids < c.num_tokens:  # the token in flight: read on the device from the step before
       v["prev_token_index"][at + known_ids] = req.in_flight_row * (1 + k)
     v["positions"][at:at + c.num_tokens] = np.arange(c.start, end)
     v["req_indices"][at:at + c.num_tokens] = req.row
-    known = max(min(end, len(known_tokens) - 1) - c.start, 0)  # tokens whose successor is committed
-    v["next_ids"][at:at + known] = known_tokens[c.start + 1:c.start + 1 + known]
+    num_known = len(req.prompt_token_ids) + len(req.output_token_ids)
+    known = max(min(end, num_known - 1) - c.start, 0)  # tokens whose successor is committed
+    v["next_ids"][at:at + known] = req.token_ids(c.start + 1, c.start + 1 + known)
     v["state_slots"][req.row] = req.state_slot
     if c.samples:
       d, last = c.num_drafts, at + c.num_tokens

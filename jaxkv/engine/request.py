@@ -99,6 +99,18 @@ class Request:
     """The known tokens: prompt and outputs read back."""
     return self.prompt_token_ids + self.output_token_ids
 
+  def token_ids(self, start: int, stop: int) -> list[int]:
+    """Tokens ``[start, stop)`` of prompt, outputs read back and drafts to verify, in that order
+    (clipped to what exists), copying only those: a step's host work stays independent of the
+    request's length."""
+    out, base = [], 0
+    for part in (self.prompt_token_ids, self.output_token_ids, self.spec_token_ids):
+      lo, hi = max(start - base, 0), min(stop - base, len(part))
+      if lo < hi:
+        out += part[lo:hi]
+      base += len(part)
+    return out
+
   @property
   def num_tokens(self) -> int:
     """Tokens the scheduler counts on, the one in flight included."""
