@@ -34,9 +34,9 @@ def _check_against(run: dict, base: dict) -> None:
 
 
 def test_tensor_expert_and_data_parallel_match_one_device():
-  # 4x2e: experts over all 8 devices, heads over 2; tensor parallel 2 alone runs in the dense
-  # layout here and in the packed one in the two-process test.
-  configs = "1x1,4x2e,1x2-dense"
+  # 4x2e: experts over all 8 devices, heads over 2; 1x4e: heads and experts over 4; tensor parallel
+  # 2 alone runs in the dense layout here and in the packed one in the two-process test.
+  configs = "1x1,4x2e,1x2-dense,1x4e"
   out = subprocess.run([sys.executable, str(WORKER), "--configs", configs], env=_env(8), capture_output=True,
                        text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
