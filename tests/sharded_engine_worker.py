@@ -3,7 +3,8 @@
 ``tests/test_sharded_engine.py`` runs it in subprocesses: the CPU device count
 (``--xla_force_host_platform_device_count``) is fixed when JAX starts, and under
 ``jax.distributed`` each process is its own program. A configuration is ``DPxTP`` with suffixes:
-``e`` expert parallelism, ``-dense`` the dense layout split into 64-token kernel blocks (block 256).
+``e`` expert parallelism, ``-dense`` the dense layout split into 64-token kernel blocks (block 256),
+``-prefix`` prefix caching (then two longer prompts are served twice more: cold, then warm).
 ``1x1`` is the single-device baseline.
 """
 
@@ -20,7 +21,11 @@ def parse(name: str) -> dict:
   sizes, *flags = name.split("-")
   dp, tp = sizes.rstrip("e").split("x")
   return {"data_parallel_size": int(dp), "tensor_parallel_size": int(tp), "enable_expert_parallel": sizes.endswith("e"),
-          "dense": "dense" in flags}
+          "dense": "dense" in flags, "prefix": "prefix" in flags}
+
+
+def _top5(reqs) -> list:
+  return [[[[i, lp] for i, lp in s] for s in r.output_logprobs] for r in reqs]
 
 
 def main() -> int:
@@ -76,12 +81,18 @@ def main() -> int:
     engine = LLMEngine(runner, EngineConfig(
         cache=cache, max_num_reqs=4, max_num_batched_tokens=64, buckets=(64,),
         tensor_parallel_size=c["tensor_parallel_size"], data_parallel_size=c["data_parallel_size"],
-        enable_expert_parallel=c["enable_expert_parallel"]))
+        enable_expert_parallel=c["enable_expert_parallel"], enable_prefix_caching=c["prefix"]))
     warm = engine.warmup()
     reqs = engine.generate(prompts, sampling)
-    out["runs"][name] = {"tokens": [r.output_token_ids for r in reqs],
-                         "top5": [[[[i, lp] for i, lp in s] for s in r.output_logprobs] for r in reqs],
-                         "compiled_in_warmup": warm, "compiled_at_end": engine.num_compilations, "loaded": loaded}
+    run = out["runs"][name] = {"tokens": [r.output_token_ids for r in reqs], "top5": _top5(reqs),
+                               "compiled_in_warmup": warm, "loaded": loaded}
+    if c["prefix"]:  # past a 128-token block: the second time, the first block comes from the cache
+      long_prompts = [p * 6 for p in prompts]
+      for key in ("cold", "warm"):
+        again = engine.generate(long_prompts, sampling)
+        run[key] = {"tokens": [r.output_token_ids for r in again], "top5": _top5(again),
+                    "cached": sum(r.num_cached_tokens for r in again)}
+    run["compiled_at_end"] = engine.num_compilations
   if jax.process_index() == 0:
     print(json.dumps(out), flush=True)
   return 0

@@ -34,9 +34,10 @@ def _check_against(run: dict, base: dict) -> None:
 
 
 def test_tensor_expert_and_data_parallel_match_one_device():
-  # 4x2e: experts over all 8 devices, heads over 2; 1x4e: heads and experts over 4; tensor parallel
-  # 2 alone runs in the dense layout here and in the packed one in the two-process test.
-  configs = "1x1,4x2e,1x2-dense,1x4e"
+  # 4x2e: experts over all 8 devices, heads over 2; 1x4e: heads and experts over 4, with prefix
+  # caching; tensor parallel 2 alone runs in the dense layout here and in the packed one in the
+  # two-process test.
+  configs = "1x1,4x2e,1x2-dense,1x4e-prefix"
   out = subprocess.run([sys.executable, str(WORKER), "--configs", configs], env=_env(8), capture_output=True,
                        text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
@@ -47,6 +48,10 @@ def test_tensor_expert_and_data_parallel_match_one_device():
   for name, run in result["runs"].items():
     _check_against(run, base)
     assert run["compiled_at_end"] == run["compiled_in_warmup"], f"{name} compiled after warm-up"
+  # On the mesh, prompts served again start from their cached first block and say the same, bitwise.
+  prefix = result["runs"]["1x4e-prefix"]
+  assert prefix["cold"]["cached"] == 0 and prefix["warm"]["cached"] == 2 * 128
+  assert prefix["warm"]["tokens"] == prefix["cold"]["tokens"] and prefix["warm"]["top5"] == prefix["cold"]["top5"]
 
 
 def test_two_processes_under_jax_distributed_match_hf():
