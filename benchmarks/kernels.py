@@ -151,6 +151,17 @@ def bench_sparse_mla(batch, ctx, impl, iters, repeats, cache_dtype="bfloat16", *
   return t, nbytes
 
 
+def bench_bare_copy(nbytes, iters, repeats):
+  """An elementwise pass reading and writing ``nbytes / 2`` bytes each, chained and donated like
+  the kernels: the time the same bytes take without any addressing (the cache-write and kpool goal's
+  baseline)."""
+  import jax
+  import jax.numpy as jnp
+
+  x = jax.random.bits(jax.random.key(15), (max(1, nbytes // 8),), jnp.uint32)
+  return _timeit(lambda s, c: s ^ jnp.uint32(1), x, (), iters, repeats)
+
+
 def bench_cache_write(tokens, impl, iters, repeats, **tune):
   import jax
   from jaxkv import KernelView, cdiv
@@ -362,6 +373,9 @@ def run(args):
       row["speedup_vs_previous"] = row["pallas_previous_us"] / row["pallas_us"]
     if "pallas_us" in row and "scatter_us" in row:
       row["pallas_over_bare_scatter"] = row["pallas_us"] / row["scatter_us"]
+    if name in ("cache_write", "kpool_compress") and "pallas_us" in row:
+      row["copy_us"] = bench_bare_copy(row["bytes"], args.iters, args.repeats) * 1e6
+      row["pallas_over_bare_copy"] = row["pallas_us"] / row["copy_us"]
     rows.append(row)
     print(_fmt(row), flush=True)
     save()
@@ -386,15 +400,16 @@ def table(result):
   bw = result["bandwidth_Bps"]
   lines = [f"{result['device']}, jax {result['jax']}, measured bandwidth {bw / 1e12:.2f} TB/s",
            "| kernel | size | MB moved | Pallas us | Pallas frac BW | previous Pallas us | speed-up vs previous "
-           "| XLA us | XLA frac BW | Pallas speed-up vs XLA | Pallas time / bare XLA scatter |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| XLA us | XLA frac BW | Pallas speed-up vs XLA | Pallas time / bare XLA scatter | Pallas time / bare copy |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in result["rows"]:
     size = ", ".join(f"{k} {r[k]}" for k in _SIZE_KEYS if k in r)
     cell = lambda k, f: (f % r[k]) if k in r else ("error" if k.replace("_us", "_error") in r else "-")
     lines.append(f"| {r['kernel']} | {size} | {r.get('bytes', 0) / 1e6:.2f} | {cell('pallas_us', '%.1f')} | "
                  f"{cell('pallas_frac_bw', '%.2f')} | {cell('pallas_previous_us', '%.1f')} | "
                  f"{cell('speedup_vs_previous', '%.2fx')} | {cell('xla_us', '%.1f')} | {cell('xla_frac_bw', '%.2f')} | "
-                 f"{cell('speedup_vs_xla', '%.2fx')} | {cell('pallas_over_bare_scatter', '%.2f')} |")
+                 f"{cell('speedup_vs_xla', '%.2fx')} | {cell('pallas_over_bare_scatter', '%.2f')} | "
+                 f"{cell('pallas_over_bare_copy', '%.2f')} |")
   return "\n".join(lines)
 
 
