@@ -123,9 +123,8 @@ def bench_sparse_mla(batch, ctx, impl, iters, repeats, cache_dtype="bfloat16", *
   import jax
   from jaxkv import KernelView, cdiv
   import jax.numpy as jnp
-  from pallas_kernels.sparse_mla_decode import sparse_mla_decode
-
   from pallas_kernels.cache_write import encode_entries, entry_bytes
+  from pallas_kernels.sparse_mla_decode import sparse_mla_decode
 
   bs = 1024
   blocks = batch * (ctx // bs) + 1

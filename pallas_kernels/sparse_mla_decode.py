@@ -10,8 +10,9 @@ Token ``i`` of request ``r`` is manager slot ``table[r, i // bs] * bs + i % bs``
 layer, at the same bytes ``write_to_paged_cache`` wrote it: row ``slot // tokens_per_row``, byte
 ``page_offset + (slot % tokens_per_row) * entry_bytes`` of the backing array (dense layer array or
 packed arena), read in place through free typed bitcasts. Latent entries are bf16/f32 values or
-fp8 e4m3 with one fp32 scale per 128 values (one per entry below 128). Several queries per request (speculative
-verification) are several rows ``t`` with their own indices.
+fp8 e4m3 with one fp32 scale per 128 values (one per entry below 128, as ``encode_entries`` writes
+them). Several queries per request (speculative verification) are several rows ``t`` with their
+own indices.
 """
 
 from __future__ import annotations
