@@ -32,6 +32,7 @@ def main() -> int:
   p.add_argument("--context", type=int, default=1024)
   p.add_argument("--steps", type=int, default=200)
   p.add_argument("--dtype", default="bfloat16")
+  p.add_argument("--implementation", default="auto", choices=("auto", "xla", "pallas"), help="attention kernels")
   p.add_argument("--memory-gib", type=float, default=8.0, help="KV-cache budget")
   p.add_argument("--out", default=None, help="JSON file of the numbers and the profile's top entries")
   args = p.parse_args()
@@ -44,7 +45,7 @@ def main() -> int:
 
   family = get_model_family("glm5_next")
   config = family.builtin_config(args.config)
-  runner = family.from_random(config, dtype=args.dtype, seed=0, implementation="xla")
+  runner = family.from_random(config, dtype=args.dtype, seed=0, implementation=args.implementation)
   fp8 = args.dtype == "bfloat16"
   cache = CacheConfig(block_size=1024, layout="packed", kv_cache_dtype=args.dtype,
                       indexer_cache_dtype="fp8" if fp8 else args.dtype, state_dtype=args.dtype,

@@ -298,6 +298,9 @@ def cmd_bench(args) -> int:
             f"{p['kernels_per_step']:.0f} kernels per step; heaviest:")
       for k in p["top"]:
         print(f"  {k['ms_per_step']:9.3f} ms {k['share']:6.1%} x{k['calls_per_step']:<5.0f} {k['name']}")
+      print("  the device waited (per step) between:")
+      for g in p["idle_gaps"][:5]:
+        print(f"  {g['ms_per_step']:9.3f} ms x{g['gaps_per_step']:<5.1f} {g['after']} -> {g['before']}")
   return 0
 
 

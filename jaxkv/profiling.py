@@ -4,7 +4,8 @@
 create_perfetto_trace=True)`` writes (``dir/**/*.trace.json.gz``): complete events (``"ph": "X"``)
 of the device process (``/device:GPU:0``; on the CPU, the XLA executor threads) are the kernels,
 with durations in microseconds; the span they cover minus their union is the time the device
-waited for the host.
+waited for the host; ``idle_gaps`` says between which kernels it waited (at a step's boundary,
+or inside a step where the host launches kernels slower than the device runs them).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def summarize_trace(trace_dir: str | pathlib.Path, num_steps: int, *, top: int =
   """Per-step kernel time of the newest trace under ``trace_dir``.
 
   Returns ``{"device": "gpu" | "cpu", "kernels_per_step", "busy_ms_per_step", "span_ms_per_step",
-  "idle_fraction", "top": [{"name", "ms_per_step", "calls_per_step", "share"}]}``.
+  "idle_fraction", "top": [{"name", "ms_per_step", "calls_per_step", "share"}], "idle_gaps": [{"after",
+  "before", "ms_per_step", "gaps_per_step"}]}`` (the device's waits, summed by the kernels around them).
   """
   files = sorted(pathlib.Path(trace_dir).rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
   if not files:
@@ -45,12 +47,15 @@ def summarize_trace(trace_dir: str | pathlib.Path, num_steps: int, *, top: int =
   by_name: dict[str, list[float]] = collections.defaultdict(list)
   for e in events:
     by_name[e.get("name", "?")].append(float(e.get("dur", 0.0)))
-  intervals = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events)
-  busy, end = 0.0, -float("inf")
-  for s, t in intervals:  # union of kernel intervals (concurrent streams count once)
+  intervals = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e.get("name", "?")) for e in events)
+  busy, end, last = 0.0, -float("inf"), None
+  gaps: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+  for s, t, name in intervals:  # union of kernel intervals (concurrent streams count once)
+    if last is not None and s > end:
+      gaps[(last[:60], name[:60])].append(s - end)
     if t > end:
       busy += t - max(s, end)
-      end = t
+      end, last = t, name
   span = intervals[-1][1] - intervals[0][0]
   total = sum(sum(d) for d in by_name.values())
   ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
@@ -63,6 +68,9 @@ def summarize_trace(trace_dir: str | pathlib.Path, num_steps: int, *, top: int =
       "idle_fraction": 1.0 - busy / span if span > 0 else 0.0,
       "top": [{"name": name[:120], "ms_per_step": sum(d) / 1e3 / num_steps, "calls_per_step": len(d) / num_steps,
                "share": sum(d) / total if total else 0.0} for name, d in ranked],
+      "idle_gaps": [{"after": a, "before": b, "ms_per_step": sum(d) / 1e3 / num_steps,
+                     "gaps_per_step": len(d) / num_steps}
+                    for (a, b), d in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:top]],
   }
 
 

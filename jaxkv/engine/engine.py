@@ -532,6 +532,7 @@ class LLMEngine:
     out, self.caches, self.kernel_tables = _device_step(self._statics, packing, self._param_leaves, self.caches,
                                                         self.kernel_tables, packed, self._prev_out)
     self._prev_out = out
+    out.copy_to_host_async()  # the read-back then waits only for the step, not for a transfer after it
     if self._async:
       for c in laid_out:
         if c.samples:
