@@ -4,7 +4,10 @@
 (``--xla_force_host_platform_device_count``) is fixed when JAX starts, and under
 ``jax.distributed`` each process is its own program. A configuration is ``DPxTP`` with suffixes:
 ``e`` expert parallelism, ``-dense`` the dense layout split into 64-token kernel blocks (block 256),
-``-prefix`` prefix caching (then two longer prompts are served twice more: cold, then warm).
+``-prefix`` prefix caching with a host offload tier (then two longer prompts are served three
+more times: cold, warm from the device's prefix cache, and after the device forgot it, from the host),
+``-swap`` preemption by swapping (three requests that each grow into a third 128-token block, served
+with room for all, then on a second engine with room for one to grow at a time).
 ``1x1`` is the single-device baseline.
 """
 
@@ -21,11 +24,32 @@ def parse(name: str) -> dict:
   sizes, *flags = name.split("-")
   dp, tp = sizes.rstrip("e").split("x")
   return {"data_parallel_size": int(dp), "tensor_parallel_size": int(tp), "enable_expert_parallel": sizes.endswith("e"),
-          "dense": "dense" in flags, "prefix": "prefix" in flags}
+          "dense": "dense" in flags, "prefix": "prefix" in flags, "swap": "swap" in flags}
 
 
 def _top5(reqs) -> list:
   return [[[[i, lp] for i, lp in s] for s in r.output_logprobs] for r in reqs]
+
+
+def _swap_run(engine, runner, c: dict, vocab: int) -> dict:
+  """The same prompts with room for every request, and swapped out and in under memory pressure."""
+  import numpy as np
+
+  from jaxkv import CacheConfig
+  from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
+
+  rng = np.random.default_rng(8)
+  prompts = [[int(t) for t in rng.integers(1, vocab, n)] for n in (2 * 128 - 4, 2 * 128 - 6, 2 * 128 - 3)]
+  sampling = SamplingParams(max_new_tokens=8, logprobs=5)  # each crosses into its third block
+  state_blocks = engine.plan.blocks_per_request(1) - 1  # KDA groups + tail ring
+  tight = (1 + 3 * (state_blocks + 2) + 1) * engine.plan.bytes_per_block
+  swapping = LLMEngine(runner, EngineConfig(
+      cache=CacheConfig(block_size=128, memory_bytes=tight), max_num_reqs=4, max_num_batched_tokens=128,
+      buckets=(128,), tensor_parallel_size=c["tensor_parallel_size"], data_parallel_size=c["data_parallel_size"],
+      enable_expert_parallel=c["enable_expert_parallel"], preemption_mode="swap"))
+  runs = {key: [[r.output_token_ids, _top5([r])[0]] for r in e.generate(prompts, sampling)]
+          for key, e in (("roomy", engine), ("swapped", swapping))}
+  return {**runs, "swapped_out": swapping.swap.num_swapped_out, "swapped_in": swapping.swap.num_swapped_in}
 
 
 def main() -> int:
@@ -79,20 +103,26 @@ def main() -> int:
     runner = Glm5NextRunner.from_model(model)
     cache = CacheConfig(block_size=256, layout="dense", kernel_block_size=64) if c["dense"] else CacheConfig(block_size=128)
     engine = LLMEngine(runner, EngineConfig(
-        cache=cache, max_num_reqs=4, max_num_batched_tokens=64, buckets=(64,),
+        cache=cache, max_num_reqs=4, max_num_batched_tokens=128, buckets=(128,),
         tensor_parallel_size=c["tensor_parallel_size"], data_parallel_size=c["data_parallel_size"],
-        enable_expert_parallel=c["enable_expert_parallel"], enable_prefix_caching=c["prefix"]))
+        enable_expert_parallel=c["enable_expert_parallel"], enable_prefix_caching=c["prefix"],
+        kv_offload="host" if c["prefix"] else None))
     warm = engine.warmup()
     reqs = engine.generate(prompts, sampling)
     run = out["runs"][name] = {"tokens": [r.output_token_ids for r in reqs], "top5": _top5(reqs),
                                "compiled_in_warmup": warm, "loaded": loaded}
     if c["prefix"]:  # past a 128-token block: the second time, the first block comes from the cache
       long_prompts = [p * 6 for p in prompts]
-      for key in ("cold", "warm"):
+      for key in ("cold", "warm", "offloaded"):
+        if key == "offloaded":
+          engine.kv.reset_prefix_cache()  # only the host tier has the blocks now
         again = engine.generate(long_prompts, sampling)
         run[key] = {"tokens": [r.output_token_ids for r in again], "top5": _top5(again),
                     "cached": sum(r.num_cached_tokens for r in again)}
+      run["loaded_from_host"] = engine.connector.num_loaded_blocks
     run["compiled_at_end"] = engine.num_compilations
+    if c["swap"]:
+      run["swap"] = _swap_run(engine, runner, c, model.config.vocab_size)
   if jax.process_index() == 0:
     print(json.dumps(out), flush=True)
   return 0

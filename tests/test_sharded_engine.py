@@ -35,9 +35,9 @@ def _check_against(run: dict, base: dict) -> None:
 
 def test_tensor_expert_and_data_parallel_match_one_device():
   # 4x2e: experts over all 8 devices, heads over 2; 1x4e: heads and experts over 4, with prefix
-  # caching; tensor parallel 2 alone runs in the dense layout here and in the packed one in the
+  # caching and host offload; 4x2e also preempts by swapping; tensor parallel 2 alone runs in the dense layout here and in the packed one in the
   # two-process test.
-  configs = "1x1,4x2e,1x2-dense,1x4e-prefix"
+  configs = "1x1,4x2e-swap,1x2-dense,1x4e-prefix"
   out = subprocess.run([sys.executable, str(WORKER), "--configs", configs], env=_env(8), capture_output=True,
                        text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
@@ -48,10 +48,17 @@ def test_tensor_expert_and_data_parallel_match_one_device():
   for name, run in result["runs"].items():
     _check_against(run, base)
     assert run["compiled_at_end"] == run["compiled_in_warmup"], f"{name} compiled after warm-up"
-  # On the mesh, prompts served again start from their cached first block and say the same, bitwise.
+  # On the mesh, prompts served again start from their cached first block and say the same, bitwise,
+  # whether the block is still on the devices or comes back from the host offload tier.
   prefix = result["runs"]["1x4e-prefix"]
-  assert prefix["cold"]["cached"] == 0 and prefix["warm"]["cached"] == 2 * 128
-  assert prefix["warm"]["tokens"] == prefix["cold"]["tokens"] and prefix["warm"]["top5"] == prefix["cold"]["top5"]
+  assert prefix["cold"]["cached"] == 0 and prefix["warm"]["cached"] == prefix["offloaded"]["cached"] == 2 * 128
+  assert prefix["loaded_from_host"] > 0
+  # Requests swapped out to the host and back on the mesh produce what they produce unpreempted.
+  swap = result["runs"]["4x2e-swap"]["swap"]
+  assert swap["swapped_out"] > 0 and swap["swapped_in"] == swap["swapped_out"]
+  assert swap["swapped"] == swap["roomy"]
+  for key in ("warm", "offloaded"):
+    assert prefix[key]["tokens"] == prefix["cold"]["tokens"] and prefix[key]["top5"] == prefix["cold"]["top5"], key
 
 
 def test_two_processes_under_jax_distributed_match_hf():

@@ -40,17 +40,25 @@ __all__ = ["KVConnectorBase", "OffloadingConnector", "offload_fingerprint", "pin
 
 def pinned_host_put(x: jax.Array):
   """An asynchronous device-to-host copy into page-locked memory where the device has the
-  ``pinned_host`` memory kind; the array itself otherwise (read back later)."""
+  ``pinned_host`` memory kind; the array itself otherwise (read back later). A replicated array
+  (the caches on a mesh) is copied once, from this process's first device."""
+  if x.is_fully_replicated:
+    x = x.addressable_shards[0].data
   device = next(iter(x.devices()))
   if any(m.kind == "pinned_host" for m in device.addressable_memories()):
-    return jax.device_put(x, jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host"))
+    return jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
   return x
 
 
 def to_device(rows, caches: dict[str, jax.Array]) -> jax.Array:
-  """Host rows (pinned or NumPy) back in the caches' device memory (asynchronous)."""
-  device = next(iter(next(iter(caches.values())).devices()))
-  return jax.device_put(rows, jax.sharding.SingleDeviceSharding(device, memory_kind="device"))
+  """Host rows (pinned or NumPy) back in the caches' device memory, placed as the caches are
+  (replicated on a mesh; asynchronous)."""
+  sharding = next(iter(caches.values())).sharding
+  if not sharding.is_fully_replicated:
+    raise ValueError(f"host rows go back to replicated caches only, got caches placed as {sharding}.")
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+  return jax.device_put(rows, sharding.with_memory_kind("device"))
 
 
 def offload_fingerprint(plan: KVCacheConfig, params) -> str:
