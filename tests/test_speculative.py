@@ -24,6 +24,7 @@ from flax import nnx
 
 from jaxkv import CacheConfig
 from jaxkv.engine import SamplingParams
+from jaxkv.engine import sampler
 from jaxkv.engine.sampler import sample
 from jaxkv.kv_cache_manager import KVCacheManager
 from models.glm5_next import Glm5NextForCausalLM, get_kv_cache_layers
@@ -260,3 +261,23 @@ def test_top_p_draws_follow_the_sorted_nucleus():
     q = np.where(nucleus, p, 0) / p[nucleus].sum()
     freq = np.bincount(first, minlength=v) / n
     assert np.all(np.abs(freq - q) < 4 * np.sqrt(q * (1 - q) / n) + 1e-9), (top_p, freq, q)
+
+
+@pytest.mark.parametrize("ways", [2, 4, 8, 32])
+def test_every_nucleus_search_width_keeps_the_sorted_nucleus(ways):
+  """Each width of the sort-free search (a bisection, or 6 passes of 31 sums: ``nucleus_ways``
+  picks by the step's rows) keeps the tokens a float64 sort keeps, ties included; top_p = 1 keeps all."""
+  rng = np.random.default_rng(ways)
+  logits = rng.normal(size=(6, 1, 3000)) * rng.uniform(0.3, 6.0, size=(6, 1, 1))
+  logits[:3] = np.round(logits[:3])  # ties: equal probabilities are kept or dropped together
+  probs = jax.nn.softmax(jnp.asarray(logits, jnp.float32), axis=-1)
+  top_p = jnp.asarray([0.3, 0.8, 0.95, 0.5, 0.9, 1.0], jnp.float32)[:, None, None]
+  floor = np.asarray(jax.jit(sampler._nucleus_floor, static_argnames="ways")(probs, top_p, ways=ways))
+  p = np.asarray(probs, np.float64)[:, 0]
+  for i in range(6):
+    above = np.array([p[i][p[i] > x].sum() for x in p[i]])  # mass strictly more probable than each token
+    kept = above < float(top_p[i, 0, 0]) if i < 5 else np.ones_like(above, bool)
+    np.testing.assert_array_equal(p[i] >= floor[i, 0, 0], kept, err_msg=f"row {i}")
+  assert sampler.nucleus_ways(1) == 32 and sampler.nucleus_ways(64) == 2
+  with pytest.raises(ValueError, match="ways must be"):
+    sampler._nucleus_floor(probs, top_p, ways=16)

@@ -12,6 +12,14 @@ from jaxkv.engine.request import MAX_LOGPROBS
 __all__ = ["sample"]
 
 
+def nucleus_ways(rows: int) -> int:
+  """Width of the top-p nucleus search for ``rows`` sampled positions a step: a few rows' step is
+  bound by its launches (32 ways: 6 passes, measured 2.21 -> 1.76 ms per batch-1 step and 3.23 ->
+  3.11 ms at batch 8 on the H200), a larger one by the GPU's work, where the bisection reads the
+  vocabulary least (30 reads a row against 186). ``benchmarks/sampler.py`` times each width."""
+  return 32 if rows <= 8 else 2
+
+
 def sample(
     logits: Float[Array, "R S V"],
     temperature: Float[Array, "R"],
@@ -67,7 +75,8 @@ def sample(
   # which stopped the host from dispatching a step ahead. The nucleus is found without a sort.
   scaled = logits / jnp.where(hot, temperature, 1.0)[:, None, None]
   probs = jax.nn.softmax(scaled, axis=-1)
-  masked = jnp.where(probs >= _nucleus_floor(probs, top_p[:, None, None]), scaled, -jnp.inf)  # log-weights of p_i
+  floor = _nucleus_floor(probs, top_p[:, None, None], nucleus_ways(r * s))
+  masked = jnp.where(probs >= floor, scaled, -jnp.inf)  # log-weights of p_i
   keys = jax.vmap(lambda sd, st: jax.random.fold_in(jax.random.key(sd), st))(
       jnp.repeat(seeds, s), (steps[:, None] + idx).reshape(-1))  # [R * S]
   drawn = jax.vmap(jax.random.categorical)(keys, masked.reshape(r * s, v)).reshape(r, s)
@@ -77,21 +86,24 @@ def sample(
   return tokens, num_accepted, top_lp, top_ids.astype(jnp.int32)
 
 
-def _nucleus_floor(probs: Float[Array, "... V"], top_p: Float[Array, "... 1"]) -> Float[Array, "... 1"]:
+def _nucleus_floor(probs: Float[Array, "... V"], top_p: Float[Array, "... 1"], ways: int) -> Float[Array, "... 1"]:
   """The least probability the top-p nucleus keeps: token ``i`` is kept iff ``probs[i] >= floor``,
   i.e. iff the tokens strictly more probable than it hold less than ``top_p`` of the mass.
 
-  A search over the float32 bit patterns of ``[0, 2)`` (monotone for non-negative floats), 32-way:
-  6 passes of 31 masked sums over the vocabulary (one fusion each), in place of a sort of it, and
-  of a bisection's 30 dependent passes (30 launches a step on a GPU).
+  A ``ways``-way search over the float32 bit patterns of ``[0, 2)`` (monotone for non-negative
+  floats), in place of a sort of the vocabulary: ``30 / log2(ways)`` dependent passes of
+  ``ways - 1`` masked sums each (one fusion per pass; ``ways=2`` is a bisection).
   """
-  # Invariant: the mass above f(lo + 32 * 2**shift) is < top_p, and above f(lo) >= top_p (lo = -1:
-  # below every probability, 0 included); the candidates are lo + j * 2**shift, j = 1 .. 31.
+  bits = ways.bit_length() - 1
+  if ways < 2 or ways != 1 << bits or 30 % bits:
+    raise ValueError(f"ways must be 2, 4, 8, 32 or 1024 (30 bits in whole passes), got {ways}.")
+  # Invariant: the mass above f(lo + ways * 2**shift) is < top_p, and above f(lo) >= top_p (lo = -1:
+  # below every probability, 0 included); the candidates are lo + j * 2**shift, j = 1 .. ways - 1.
   lo = jnp.full(top_p.shape, -1, jnp.int32)
-  for shift in range(25, -1, -5):
-    candidates = lo + (jnp.arange(1, 32, dtype=jnp.int32) << shift)  # [..., 31]
+  for shift in range(30 - bits, -1, -bits):
+    candidates = lo + (jnp.arange(1, ways, dtype=jnp.int32) << shift)  # [..., ways - 1]
     x = jax.lax.bitcast_convert_type(candidates, jnp.float32)[..., None]
-    mass = jnp.sum(jnp.where(probs[..., None, :] > x, probs[..., None, :], 0.0), axis=-1)  # [..., 31]
+    mass = jnp.sum(jnp.where(probs[..., None, :] > x, probs[..., None, :], 0.0), axis=-1)  # [..., ways - 1]
     lo = lo + (jnp.sum(mass >= top_p, axis=-1, keepdims=True, dtype=jnp.int32) << shift)
   # top_p = 1 keeps every token exactly (float32 sums of nearly all the mass round either way).
   return jnp.where(top_p >= 1.0, 0.0, jax.lax.bitcast_convert_type(lo + 1, jnp.float32))

@@ -1,0 +1,80 @@
+"""The sampler's cost per step by batch, for each width of the top-p nucleus search.
+
+``jaxkv.engine.sampler.sample`` runs on every step (one executable for greedy and sampling rows);
+its top-p floor is a search over float32 bit patterns whose passes are dependent launches on a
+GPU. This times the jitted sampler alone (GLM-5.3-Flash's vocabulary, one position per row,
+temperature 0.8, top-p 0.9) for ``--ways`` 2 (a bisection: 30 passes of 1 masked sum), 4, 8, 32
+(6 passes of 31): median of ``--iters`` calls, after warm-up (``sampler.nucleus_ways`` picks the
+width by the rows of a step).
+
+    python benchmarks/sampler.py --out docs/results/sampler-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def time_sampler(batch: int, vocab: int, ways: int, iters: int) -> float:
+  """Median microseconds of one jitted ``sample`` call on ``[batch, 1, vocab]`` logits."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from jaxkv.engine import sampler
+
+  logits = jax.random.normal(jax.random.key(batch), (batch, 1, vocab), jnp.float32) * 3.0
+  args = (jnp.full((batch,), 0.8, jnp.float32), jnp.full((batch,), 0.9, jnp.float32),
+          jnp.arange(batch, dtype=jnp.int32), jnp.zeros((batch,), jnp.int32), jnp.zeros((batch, 0), jnp.int32),
+          jnp.zeros((batch,), jnp.int32))
+  original = sampler.nucleus_ways
+  sampler.nucleus_ways = lambda rows: ways
+  try:
+    f = jax.jit(sampler.sample)
+    jax.block_until_ready(f(logits, *args))
+  finally:
+    sampler.nucleus_ways = original
+  times = []
+  for _ in range(iters):
+    t = time.perf_counter()
+    jax.block_until_ready(f(logits, *args))
+    times.append(time.perf_counter() - t)
+  return float(np.median(times)) * 1e6
+
+
+def main() -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--batches", default="1,8,32,128")
+  p.add_argument("--ways", default="2,4,8,32")
+  p.add_argument("--vocab", type=int, default=154880, help="GLM-5.3-Flash's vocabulary")
+  p.add_argument("--iters", type=int, default=100)
+  p.add_argument("--out", default=None, help="JSON file")
+  args = p.parse_args()
+  import jax
+
+  rows = []
+  for b in map(int, args.batches.split(",")):
+    for w in map(int, args.ways.split(",")):
+      rows.append({"batch": b, "ways": w, "us": time_sampler(b, args.vocab, w, args.iters)})
+      print(json.dumps(rows[-1]), flush=True)
+  print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}, vocabulary {args.vocab}\n")
+  ways = sorted({r["ways"] for r in rows})
+  print("| batch | " + " | ".join(f"{w}-way us" for w in ways) + " |")
+  print("|---|" + "---|" * len(ways))
+  for b in sorted({r["batch"] for r in rows}):
+    print(f"| {b} | " + " | ".join(f"{r['us']:.1f}" for w in ways for r in rows if r["batch"] == b and r["ways"] == w) + " |")
+  if args.out:
+    pathlib.Path(args.out).write_text(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                                                  "vocab": args.vocab, "rows": rows}, indent=1))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
