@@ -91,8 +91,7 @@ def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, state_dtype
   n_conv, off = conv_bytes // 4, view.offset_bytes // 4
   raw = _read_rows(words, jnp.take_along_axis(table, inputs.state_slots[:, None], axis=1)[:, 0], off,
                    n_conv + rec_bytes // 4)  # [R, page words]
-  conv = _from_words(raw[:, :n_conv], sdt).reshape(num_reqs, 3, kw - 1, c)
-  conv = jnp.concatenate([conv[:, 0], conv[:, 1], conv[:, 2]], axis=-1)  # [R, kw-1, 3C]
+  conv = _from_words(raw[:, :n_conv], sdt).reshape(num_reqs, 3, kw - 1, c).transpose(0, 2, 1, 3)  # [R, kw-1, 3, C]
   rec = jax.lax.bitcast_convert_type(raw[:, n_conv:], jnp.float32).reshape(num_reqs, h, k, k)
   # Requests with tokens in this step; one whose first token is position 0 starts from zero state
   # (its block may be recycled and hold another request's bytes).
@@ -102,14 +101,14 @@ def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, state_dtype
   first_pos = jnp.full((num_reqs,), 2**30, jnp.int32).at[seen].min(pos, mode="drop")
   last_pos = jnp.full((num_reqs,), -1, jnp.int32).at[seen].max(pos, mode="drop")
   starts_at_zero = fresh & (first_pos == 0)
-  conv = jnp.where(starts_at_zero[:, None, None], 0, conv).astype(x.dtype)
+  conv = jnp.where(starts_at_zero[:, None, None, None], 0, conv).astype(x.dtype)
   rec = jnp.where(starts_at_zero[:, None, None, None], 0.0, rec)
   # Slot of each token's resulting state; out of range (dropped) for the earlier tokens of a chunk.
   slot = (num_slots - 1) - (last_pos[jnp.maximum(req, 0)] - pos)
   slot = jnp.where((req >= 0) & (slot >= 0), slot, num_slots)
   written = jnp.zeros((num_reqs, num_slots), bool).at[seen, slot].set(True, mode="drop")
 
-  mixed = attn.project(x)  # [T, 3C]
+  mixed = attn.project(x)  # [T, 3, C]
   g, beta = attn.gates(x)  # [T, H, K], [T, H]
   # Each token's conv window, oldest first: its request's kw-1 previous inputs come from this
   # step's tokens (a request's tokens are contiguous) or, before the chunk, from the conv state.
@@ -119,7 +118,7 @@ def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, state_dtype
   lag = (kw - 1) - tap
   src = jnp.where(rank >= lag, jnp.arange(t, dtype=jnp.int32)[:, None] - lag,
                   t + jnp.maximum(req, 0)[:, None] * (kw - 1) + tap + rank)
-  windows = jnp.concatenate([mixed, conv.reshape(-1, conv.shape[-1])])[src]  # [T, kw, 3C]
+  windows = jnp.concatenate([mixed, conv.reshape(-1, 3, c)])[src]  # [T, kw, 3, C]
   q, kk, v = attn.conv_qkv(windows, x.dtype)
   # The conv state after a token is its window's last kw-1 inputs.
   conv_slots = jnp.zeros((num_reqs, num_slots) + conv.shape[1:], conv.dtype).at[seen, slot].set(
@@ -128,7 +127,7 @@ def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, state_dtype
                                      req, slot, implementation=gpu_kernel_implementation(implementation))
   y = attn.output(o, x)
   # Write back the slots this step produced.
-  conv_parts = jnp.split(conv_slots.astype(sdt), 3, axis=-1)  # q, k, v windows, as stored
+  conv_parts = [conv_slots[..., i, :].astype(sdt) for i in range(3)]  # q, k, v windows, as stored
   new = jnp.concatenate([_to_words(p).reshape(num_reqs, num_slots, -1) for p in conv_parts]
                         + [_to_words(rec_slots).reshape(num_reqs, num_slots, -1)], axis=2)
   words = _write_rows(words, jnp.where(written, table, words.shape[0]).reshape(-1), off,
