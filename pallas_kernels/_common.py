@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+# Registers Pallas's fuser config in JAX's tracing context now: imported lazily by the first
+# interpreted kernel, it would change that context after the engine's warm-up and retrace the step.
+from jax.experimental.pallas import fuser  # noqa: F401
 
 IMPLEMENTATIONS = ("pallas", "xla")
 FP8_MAX = 448.0

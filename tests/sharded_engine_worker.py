@@ -6,9 +6,10 @@
 ``e`` expert parallelism, ``-dense`` the dense layout split into 64-token kernel blocks (block 256),
 ``-prefix`` prefix caching with a host offload tier (then two longer prompts are served three
 more times: cold, warm from the device's prefix cache, and after the device forgot it, from the host),
-``-swap`` preemption by swapping (three requests that each grow into a third 128-token block, served
+``-pallas`` the Pallas kernels (interpreted on the CPU; on a mesh, the KDA recurrence and sparse MLA
+decode run per device on its heads under ``shard_map``), ``-swap`` preemption by swapping (three requests that each grow into a third 128-token block, served
 with room for all, then on a second engine with room for one to grow at a time).
-``1x1`` is the single-device baseline.
+``1x1`` (any ``1x1-...``) runs on one device, unsharded; ``1x1`` is the baseline.
 """
 
 import argparse
@@ -24,7 +25,8 @@ def parse(name: str) -> dict:
   sizes, *flags = name.split("-")
   dp, tp = sizes.rstrip("e").split("x")
   return {"data_parallel_size": int(dp), "tensor_parallel_size": int(tp), "enable_expert_parallel": sizes.endswith("e"),
-          "dense": "dense" in flags, "prefix": "prefix" in flags, "swap": "swap" in flags}
+          "dense": "dense" in flags, "prefix": "prefix" in flags, "swap": "swap" in flags,
+          "pallas": "pallas" in flags}
 
 
 def _top5(reqs) -> list:
@@ -82,7 +84,7 @@ def main() -> int:
   for name in args.configs.split(","):
     c = parse(name)
     # On a mesh the checkpoint is loaded by shard: each process reads its devices' slices.
-    mesh = make_mesh(c["tensor_parallel_size"], c["data_parallel_size"]) if name != "1x1" else None
+    mesh = make_mesh(c["tensor_parallel_size"], c["data_parallel_size"]) if not name.startswith("1x1") else None
     read = [0]
     original = checkpoint._Tensors.read
 
@@ -100,7 +102,7 @@ def main() -> int:
     # Elements this process read, its devices' shards hold, and the whole model has.
     loaded = {"read": read[0], "held": sum(s.data.size for x in leaves for s in x.addressable_shards),
               "model": sum(x.size for x in leaves)}
-    runner = Glm5NextRunner.from_model(model)
+    runner = Glm5NextRunner.from_model(model, implementation="pallas" if c["pallas"] else "auto")
     cache = CacheConfig(block_size=256, layout="dense", kernel_block_size=64) if c["dense"] else CacheConfig(block_size=128)
     engine = LLMEngine(runner, EngineConfig(
         cache=cache, max_num_reqs=4, max_num_batched_tokens=128, buckets=(128,),

@@ -299,6 +299,8 @@ class KimiDeltaAttention(nnx.Module):
     self.o_norm = RMSNorm(k, config.rms_norm_eps, dtype=dtype, rngs=rngs)
     self.o_proj = Linear(c, d, dtype=dtype, rngs=rngs)
     self.h, self.k, self.kw = h, k, kw
+    # On a device mesh: the recurrence per device, on its heads (``sharding.HeadSharding``).
+    self.head_sharding = None
     self.lower_bound, self.eps = config.linear_gate_lower_bound, config.rms_norm_eps
 
   def project(self, x):
@@ -425,6 +427,8 @@ class SparseMLAttention(nnx.Module):
     self.o_proj = Linear(h * config.v_head_dim, d, dtype=dtype, rngs=rngs)
     self.indexer = Indexer(config, dtype=dtype, rngs=rngs) if with_indexer else None
     self.h, self.dk, self.dv = h, config.qk_nope_head_dim, config.v_head_dim
+    # On a device mesh: sparse MLA decode per device, on its heads (``sharding.HeadSharding``).
+    self.head_sharding = None
 
   def latent(self, x):
     """``(q_resid [B, T, R_q], c_kv [B, T, L])``."""

@@ -24,6 +24,7 @@ injected.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -123,8 +124,12 @@ def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, state_dtype
   # The conv state after a token is its window's last kw-1 inputs.
   conv_slots = jnp.zeros((num_reqs, num_slots) + conv.shape[1:], conv.dtype).at[seen, slot].set(
       windows[:, 1:], mode="drop")
-  o, rec_slots = fused_recurrent_kda(q, kk, v, g, beta, rec, jnp.zeros((num_reqs, num_slots) + rec.shape[1:], rec.dtype),
-                                     req, slot, implementation=gpu_kernel_implementation(implementation))
+  kda = functools.partial(fused_recurrent_kda, implementation=gpu_kernel_implementation(implementation))
+  args = (q, kk, v, g, beta, rec, jnp.zeros((num_reqs, num_slots) + rec.shape[1:], rec.dtype), req, slot)
+  if attn.head_sharding is None:
+    o, rec_slots = kda(*args)
+  else:
+    o, rec_slots = attn.head_sharding.map(kda, args, in_heads=(1, 1, 1, 1, 1, 1, 2, None, None), out_heads=(1, 2))
   y = attn.output(o, x)
   # Write back the slots this step produced.
   conv_parts = [conv_slots[..., i, :].astype(sdt) for i in range(3)]  # q, k, v windows, as stored
@@ -213,9 +218,13 @@ def _dsa_step(attn, x, caches, layout: PagedLayout, name: str, inputs: StepInput
   w_kvb = attn.kv_b_proj.weight[...].reshape(attn.h, attn.dk + attn.dv, -1)
   q = attn.q_b_proj(q_resid).reshape(t, attn.h, attn.dk)
   q_lat = jnp.einsum("thk,hkl->thl", q, w_kvb[:, : attn.dk].astype(q.dtype), precision=_HP)
-  o_lat = sparse_mla_decode(q_lat.astype(jnp.float32), caches[mla.tensor], indices, req, table, view=mla,
-                            cache_dtype=layout.kv_cache_dtype, sm_scale=attn.dk ** -0.5,
-                            implementation=implementation)
+  decode = functools.partial(sparse_mla_decode, view=mla, cache_dtype=layout.kv_cache_dtype, sm_scale=attn.dk ** -0.5,
+                             implementation=implementation)
+  args = (q_lat.astype(jnp.float32), caches[mla.tensor], indices, req, table)
+  if attn.head_sharding is None:
+    o_lat = decode(*args)
+  else:
+    o_lat = attn.head_sharding.map(decode, args, in_heads=(1, None, None, None, None), out_heads=(1,))
   o = jnp.einsum("thl,hvl->thv", o_lat.astype(x.dtype), w_kvb[:, attn.dk:].astype(x.dtype), precision=_HP)
   return attn.o_proj(o.reshape(t, -1)), caches, indices
 

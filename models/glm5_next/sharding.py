@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["DATA", "TENSOR", "ExpertSharding", "check_divisible", "partition_spec", "per_device_weight_bytes",
+__all__ = ["DATA", "TENSOR", "ExpertSharding", "HeadSharding", "check_divisible", "partition_spec", "per_device_weight_bytes",
            "shard_model"]
 
 DATA, TENSOR = "data", "tensor"
@@ -150,6 +150,28 @@ class ExpertSharding:
                          check_vma=False)(flat, idx, w, w_gate, w_up, w_down)
 
 
+@dataclasses.dataclass(frozen=True)
+class HeadSharding:
+  """Runs a per-head computation on each device's heads (a static attribute of the KDA and MLA
+  modules on a mesh).
+
+  XLA's partitioner cannot split a custom call: a Pallas kernel (the KDA recurrence, sparse MLA
+  decode) inside the partitioned step would run on gathered, replicated heads on every device.
+  Under ``shard_map`` each device runs it on the heads its column-parallel weights produced; the
+  heads are independent, so each head's arithmetic is the single-device one.
+  """
+
+  mesh: Mesh
+
+  def map(self, fn, args, in_heads: tuple[int | None, ...], out_heads: tuple[int | None, ...]):
+    """``fn(*args)`` per device: ``in_heads[i]`` / ``out_heads[j]`` is the head axis of each
+    argument / output (split over ``tensor``), None for one the device sees whole."""
+    spec = lambda axis: P() if axis is None else P(*([None] * axis), TENSOR)
+    out_specs = tuple(spec(a) for a in out_heads)
+    return jax.shard_map(fn, mesh=self.mesh, in_specs=tuple(spec(a) for a in in_heads),
+                         out_specs=out_specs if len(out_specs) > 1 else out_specs[0], check_vma=False)(*args)
+
+
 def shard_model(model, mesh: Mesh, *, expert_parallel: bool = False) -> None:
   """Places every parameter of ``model`` (a ``Glm5NextForCausalLM``) on ``mesh`` by its
   ``partition_spec``, in place, and sets each MoE's ``ExpertSharding``.
@@ -159,7 +181,7 @@ def shard_model(model, mesh: Mesh, *, expert_parallel: bool = False) -> None:
   """
   from flax import nnx
 
-  from models.glm5_next.model import MoE
+  from models.glm5_next.model import KimiDeltaAttention, MoE, SparseMLAttention
 
   check_divisible(model.config, tensor_parallel_size=mesh.shape[TENSOR], data_parallel_size=mesh.shape[DATA],
                   expert_parallel=expert_parallel)
@@ -177,3 +199,5 @@ def shard_model(model, mesh: Mesh, *, expert_parallel: bool = False) -> None:
   for _, module in nnx.iter_graph(model):
     if isinstance(module, MoE):
       module.parallel = ExpertSharding(mesh, expert_parallel)
+    if isinstance(module, (KimiDeltaAttention, SparseMLAttention)):
+      module.head_sharding = HeadSharding(mesh)
