@@ -6,7 +6,8 @@
 ``e`` expert parallelism, ``-dense`` the dense layout split into 64-token kernel blocks (block 256),
 ``-prefix`` prefix caching with a host offload tier (then two longer prompts are served three
 more times: cold, warm from the device's prefix cache, and after the device forgot it, from the host),
-``-pallas`` the Pallas kernels (interpreted on the CPU; on a mesh, the KDA recurrence and sparse MLA
+``-mtp`` MTP drafting (k = 2) on the random ``glm-5.3-flash-tiny`` model (the committed fixture has
+no MTP layer) with random prompts, compared with ``1x1-mtp``; ``-pallas`` the Pallas kernels (interpreted on the CPU; on a mesh, the KDA recurrence and sparse MLA
 decode run per device on its heads under ``shard_map``), ``-swap`` preemption by swapping (three requests that each grow into a third 128-token block, served
 with room for all, then on a second engine with room for one to grow at a time).
 ``1x1`` (any ``1x1-...``) runs on one device, unsharded; ``1x1`` is the baseline.
@@ -26,7 +27,7 @@ def parse(name: str) -> dict:
   dp, tp = sizes.rstrip("e").split("x")
   return {"data_parallel_size": int(dp), "tensor_parallel_size": int(tp), "enable_expert_parallel": sizes.endswith("e"),
           "dense": "dense" in flags, "prefix": "prefix" in flags, "swap": "swap" in flags,
-          "pallas": "pallas" in flags}
+          "pallas": "pallas" in flags, "mtp": "mtp" in flags}
 
 
 def _top5(reqs) -> list:
@@ -67,12 +68,13 @@ def main() -> int:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
   import jax.numpy as jnp
+  import numpy as np
 
   from jaxkv import CacheConfig
   from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams, make_mesh
   from flax import nnx
 
-  from models.glm5_next import checkpoint
+  from models.glm5_next import Glm5NextForCausalLM, checkpoint, get_config
   from models.glm5_next.checkpoint import load_checkpoint
   from models.glm5_next.runner import Glm5NextRunner
 
@@ -95,7 +97,10 @@ def main() -> int:
 
     checkpoint._Tensors.read = counting
     try:
-      _, model = load_checkpoint(FIXTURE, dtype=jnp.float32, mesh=mesh, expert_parallel=c["enable_expert_parallel"])
+      if c["mtp"]:  # placed on the mesh by the engine (``ModelRunner.shard``)
+        model = Glm5NextForCausalLM(get_config("glm-5.3-flash-tiny"), rngs=nnx.Rngs(0))
+      else:
+        _, model = load_checkpoint(FIXTURE, dtype=jnp.float32, mesh=mesh, expert_parallel=c["enable_expert_parallel"])
     finally:
       checkpoint._Tensors.read = original
     leaves = jax.tree.leaves(nnx.state(model))
@@ -103,16 +108,23 @@ def main() -> int:
     loaded = {"read": read[0], "held": sum(s.data.size for x in leaves for s in x.addressable_shards),
               "model": sum(x.size for x in leaves)}
     runner = Glm5NextRunner.from_model(model, implementation="pallas" if c["pallas"] else "auto")
-    cache = CacheConfig(block_size=256, layout="dense", kernel_block_size=64) if c["dense"] else CacheConfig(block_size=128)
+    k = 2 if c["mtp"] else 0
+    cache = (CacheConfig(block_size=256, layout="dense", kernel_block_size=64, num_speculative_tokens=k) if c["dense"]
+             else CacheConfig(block_size=128, num_speculative_tokens=k))
     engine = LLMEngine(runner, EngineConfig(
         cache=cache, max_num_reqs=4, max_num_batched_tokens=128, buckets=(128,),
         tensor_parallel_size=c["tensor_parallel_size"], data_parallel_size=c["data_parallel_size"],
         enable_expert_parallel=c["enable_expert_parallel"], enable_prefix_caching=c["prefix"],
         kv_offload="host" if c["prefix"] else None))
     warm = engine.warmup()
-    reqs = engine.generate(prompts, sampling)
+    if c["mtp"]:
+      rng = np.random.default_rng(0)
+      reqs = engine.generate([[int(t) for t in rng.integers(1, 256, n)] for n in (13, 27, 5, 19)],
+                             SamplingParams(max_new_tokens=8, logprobs=5))
+    else:
+      reqs = engine.generate(prompts, sampling)
     run = out["runs"][name] = {"tokens": [r.output_token_ids for r in reqs], "top5": _top5(reqs),
-                               "compiled_in_warmup": warm, "loaded": loaded}
+                               "compiled_in_warmup": warm, "loaded": loaded, "drafts": engine.num_draft_tokens}
     if c["prefix"]:  # past a 128-token block: the second time, the first block comes from the cache
       long_prompts = [p * 6 for p in prompts]
       for key in ("cold", "warm", "offloaded"):

@@ -37,8 +37,9 @@ def test_tensor_expert_and_data_parallel_match_one_device():
   # 4x2e: experts over all 8 devices, heads over 2, and preemption by swapping; 1x4e: heads and
   # experts over 4, with prefix caching and host offload; tensor parallel 2 alone runs with the
   # Pallas kernels (interpreted; KDA and sparse MLA per device on its heads) in the dense layout
-  # here, and with the XLA path in the packed one in the two-process test.
-  configs = "1x1,4x2e-swap,1x4e-prefix,1x1-pallas,1x2-dense-pallas"
+  # here, and with the XLA path in the packed one in the two-process test; 2x2e-mtp drafts with
+  # the MTP layer (k = 2) on a random model.
+  configs = "1x1,4x2e-swap,1x4e-prefix,1x1-pallas,1x2-dense-pallas,1x1-mtp,2x2e-mtp"
   out = subprocess.run([sys.executable, str(WORKER), "--configs", configs], env=_env(8), capture_output=True,
                        text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
@@ -51,14 +52,17 @@ def test_tensor_expert_and_data_parallel_match_one_device():
     # against the XLA path within the kernels' tolerance (test_engine_equivalence.py).
     if name == "1x1-pallas":
       _check_against(run, base, atol=1e-4)
+    elif name.endswith(("-pallas", "-mtp")):
+      _check_against(run, result["runs"]["1x1-" + name.rsplit("-", 1)[1]])
     else:
-      _check_against(run, result["runs"]["1x1-pallas"] if name.endswith("-pallas") else base)
+      _check_against(run, base)
     assert run["compiled_at_end"] == run["compiled_in_warmup"], f"{name} compiled after warm-up"
   # On the mesh, prompts served again start from their cached first block and say the same, bitwise,
   # whether the block is still on the devices or comes back from the host offload tier.
   prefix = result["runs"]["1x4e-prefix"]
   assert prefix["cold"]["cached"] == 0 and prefix["warm"]["cached"] == prefix["offloaded"]["cached"] == 2 * 128
   assert prefix["loaded_from_host"] > 0
+  assert result["runs"]["2x2e-mtp"]["drafts"] > 0
   # Requests swapped out to the host and back on the mesh produce what they produce unpreempted.
   swap = result["runs"]["4x2e-swap"]["swap"]
   assert swap["swapped_out"] > 0 and swap["swapped_in"] == swap["swapped_out"]
