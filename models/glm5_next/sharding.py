@@ -21,8 +21,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["DATA", "TENSOR", "ExpertSharding", "HeadSharding", "check_divisible", "partition_spec", "per_device_weight_bytes",
-           "shard_model"]
+__all__ = ["DATA", "TENSOR", "ExpertSharding", "HeadSharding", "check_divisible", "partition_spec",
+           "per_device_weight_bytes", "shard_model"]
 
 DATA, TENSOR = "data", "tensor"
 _EXPERTS = (DATA, TENSOR)
@@ -174,7 +174,8 @@ class HeadSharding:
 
 def shard_model(model, mesh: Mesh, *, expert_parallel: bool = False) -> None:
   """Places every parameter of ``model`` (a ``Glm5NextForCausalLM``) on ``mesh`` by its
-  ``partition_spec``, in place, and sets each MoE's ``ExpertSharding``.
+  ``partition_spec``, in place, and sets each MoE's ``ExpertSharding`` and each KDA and MLA
+  module's ``HeadSharding``.
 
   Raises:
     ValueError: the mesh's sizes do not divide the heads or the experts (naming them).
