@@ -69,7 +69,8 @@ def main() -> int:
   print("| batch | " + " | ".join(f"{w}-way us" for w in ways) + " |")
   print("|---|" + "---|" * len(ways))
   for b in sorted({r["batch"] for r in rows}):
-    print(f"| {b} | " + " | ".join(f"{r['us']:.1f}" for w in ways for r in rows if r["batch"] == b and r["ways"] == w) + " |")
+    us = {r["ways"]: r["us"] for r in rows if r["batch"] == b}
+    print(f"| {b} | " + " | ".join(f"{us[w]:.1f}" for w in ways) + " |")
   if args.out:
     pathlib.Path(args.out).write_text(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
                                                   "vocab": args.vocab, "rows": rows}, indent=1))

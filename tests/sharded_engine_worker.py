@@ -5,12 +5,13 @@
 ``jax.distributed`` each process is its own program. A configuration is ``DPxTP`` with suffixes:
 ``e`` expert parallelism, ``-dense`` the dense layout split into 64-token kernel blocks (block 256),
 ``-prefix`` prefix caching with a host offload tier (then two longer prompts are served three
-more times: cold, warm from the device's prefix cache, and after the device forgot it, from the host),
-``-mtp`` MTP drafting (k = 2) on the random ``glm-5.3-flash-tiny`` model (the committed fixture has
-no MTP layer) with random prompts, compared with ``1x1-mtp``; ``-pallas`` the Pallas kernels (interpreted on the CPU; on a mesh, the KDA recurrence and sparse MLA
-decode run per device on its heads under ``shard_map``), ``-swap`` preemption by swapping (three requests that each grow into a third 128-token block, served
-with room for all, then on a second engine with room for one to grow at a time).
-``1x1`` (any ``1x1-...``) runs on one device, unsharded; ``1x1`` is the baseline.
+more times: cold, warm from the device's prefix cache, and after the device forgot it, from the
+host), ``-mtp`` MTP drafting (k = 2) on the random ``glm-5.3-flash-tiny`` model (the committed
+fixture has no MTP layer) with random prompts, compared with ``1x1-mtp``; ``-pallas`` the Pallas
+kernels (interpreted on the CPU; on a mesh, the KDA recurrence and sparse MLA decode run per device
+on its heads under ``shard_map``), ``-swap`` preemption by swapping (three requests that each grow
+into a third 128-token block, served with room for all, then on a second engine with room for one
+to grow at a time). ``1x1`` (any ``1x1-...``) runs on one device, unsharded; ``1x1`` is the baseline.
 """
 
 import argparse
