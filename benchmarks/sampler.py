@@ -1,11 +1,11 @@
-"""The sampler's cost per step by batch, for each width of the top-p nucleus search.
+"""The sampler's top-p search by batch, for each width (``jaxkv.engine.sampler._nucleus_floor``).
 
 ``jaxkv.engine.sampler.sample`` runs on every step (one executable for greedy and sampling rows);
 its top-p floor is a search over float32 bit patterns whose passes are dependent launches on a
-GPU. This times the jitted sampler alone (GLM-5.3-Flash's vocabulary, one position per row,
-temperature 0.8, top-p 0.9) for ``--ways`` 2 (a bisection: 30 passes of 1 masked sum), 4, 8, 32
-(6 passes of 31): median of ``--iters`` calls, after warm-up (``sampler.nucleus_ways`` picks the
-width by the rows of a step).
+GPU. This times that search alone (GLM-5.3-Flash's vocabulary, one position per row, temperature
+0.8, top-p 0.9) for ``--ways`` 2 (a bisection: 30 passes of 1 masked sum), 4, 8, 32 (6 passes of
+31): median of ``--iters`` calls, after warm-up. ``sampler.nucleus_ways`` picks the width by the
+rows of a step.
 
     python benchmarks/sampler.py --out docs/results/sampler-h200.json
 """
@@ -22,29 +22,22 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def time_sampler(batch: int, vocab: int, ways: int, iters: int) -> float:
-  """Median microseconds of one jitted ``sample`` call on ``[batch, 1, vocab]`` logits."""
+def time_nucleus_search(batch: int, vocab: int, ways: int, iters: int) -> float:
+  """Median microseconds of the jitted ``ways``-way top-p floor on ``[batch, 1, vocab]`` probabilities."""
   import jax
   import jax.numpy as jnp
   import numpy as np
 
-  from jaxkv.engine import sampler
+  from jaxkv.engine.sampler import _nucleus_floor
 
-  logits = jax.random.normal(jax.random.key(batch), (batch, 1, vocab), jnp.float32) * 3.0
-  args = (jnp.full((batch,), 0.8, jnp.float32), jnp.full((batch,), 0.9, jnp.float32),
-          jnp.arange(batch, dtype=jnp.int32), jnp.zeros((batch,), jnp.int32), jnp.zeros((batch, 0), jnp.int32),
-          jnp.zeros((batch,), jnp.int32))
-  original = sampler.nucleus_ways
-  sampler.nucleus_ways = lambda rows: ways
-  try:
-    f = jax.jit(sampler.sample)
-    jax.block_until_ready(f(logits, *args))
-  finally:
-    sampler.nucleus_ways = original
+  probs = jax.nn.softmax(jax.random.normal(jax.random.key(batch), (batch, 1, vocab), jnp.float32) * 3.0 / 0.8)
+  top_p = jnp.full((batch, 1, 1), 0.9, jnp.float32)
+  f = jax.jit(_nucleus_floor, static_argnames="ways")
+  jax.block_until_ready(f(probs, top_p, ways=ways))
   times = []
   for _ in range(iters):
     t = time.perf_counter()
-    jax.block_until_ready(f(logits, *args))
+    jax.block_until_ready(f(probs, top_p, ways=ways))
     times.append(time.perf_counter() - t)
   return float(np.median(times)) * 1e6
 
@@ -62,7 +55,7 @@ def main() -> int:
   rows = []
   for b in map(int, args.batches.split(",")):
     for w in map(int, args.ways.split(",")):
-      rows.append({"batch": b, "ways": w, "us": time_sampler(b, args.vocab, w, args.iters)})
+      rows.append({"batch": b, "ways": w, "us": time_nucleus_search(b, args.vocab, w, args.iters)})
       print(json.dumps(rows[-1]), flush=True)
   print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}, vocabulary {args.vocab}\n")
   ways = sorted({r["ways"] for r in rows})

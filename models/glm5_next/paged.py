@@ -68,6 +68,14 @@ class PagedLayout:
     raise KeyError(f"no cache {name!r} in the plan")
 
 
+def _on_heads(attn, fn, args, in_heads, out_heads):
+  """``fn(*args)``; on a mesh, per device on its heads (``attn.head_sharding``, see
+  ``sharding.HeadSharding.map`` for the head axes)."""
+  if attn.head_sharding is None:
+    return fn(*args)
+  return attn.head_sharding.map(fn, args, in_heads, out_heads)
+
+
 def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, state_dtype: str, implementation: str):
   """KDA over the flat batch on each request's state slots (its row of the layer's state group).
 
@@ -126,10 +134,7 @@ def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, state_dtype
       windows[:, 1:], mode="drop")
   kda = functools.partial(fused_recurrent_kda, implementation=gpu_kernel_implementation(implementation))
   args = (q, kk, v, g, beta, rec, jnp.zeros((num_reqs, num_slots) + rec.shape[1:], rec.dtype), req, slot)
-  if attn.head_sharding is None:
-    o, rec_slots = kda(*args)
-  else:
-    o, rec_slots = attn.head_sharding.map(kda, args, in_heads=(1, 1, 1, 1, 1, 1, 2, None, None), out_heads=(1, 2))
+  o, rec_slots = _on_heads(attn, kda, args, in_heads=(1, 1, 1, 1, 1, 1, 2, None, None), out_heads=(1, 2))
   y = attn.output(o, x)
   # Write back the slots this step produced.
   conv_parts = [conv_slots[..., i, :].astype(sdt) for i in range(3)]  # q, k, v windows, as stored
@@ -221,10 +226,7 @@ def _dsa_step(attn, x, caches, layout: PagedLayout, name: str, inputs: StepInput
   decode = functools.partial(sparse_mla_decode, view=mla, cache_dtype=layout.kv_cache_dtype, sm_scale=attn.dk ** -0.5,
                              implementation=implementation)
   args = (q_lat.astype(jnp.float32), caches[mla.tensor], indices, req, table)
-  if attn.head_sharding is None:
-    o_lat = decode(*args)
-  else:
-    o_lat = attn.head_sharding.map(decode, args, in_heads=(1, None, None, None, None), out_heads=(1,))
+  o_lat = _on_heads(attn, decode, args, in_heads=(1, None, None, None, None), out_heads=(1,))
   o = jnp.einsum("thl,hvl->thv", o_lat.astype(x.dtype), w_kvb[:, attn.dk:].astype(x.dtype), precision=_HP)
   return attn.o_proj(o.reshape(t, -1)), caches, indices
 
