@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,14 @@ from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int, UInt8
 
 from jaxkv.kernel_view import KernelView
-from pallas_kernels._common import FP8_DTYPE, check_implementation, default_interpret, quantize_fp8_pow2, value_bytes
+from pallas_kernels._common import (
+    FP8_DTYPE,
+    check_implementation,
+    default_interpret,
+    quantize_fp8_pow2,
+    value_bytes,
+    without_ref,
+)
 from pallas_kernels.cache_write import encode_entries, entry_bytes, write_to_paged_cache
 
 __all__ = [
@@ -53,10 +61,19 @@ def indexer_page_bytes(states_per_page: int, head_dim: int, cache_dtype: str) ->
 
 def combine_pool(keys: Float[Array, "... K D"], gates: Float[Array, "... K D"], ape: Float[Array, "K D"]):
   """Per-channel softmax over the pool's tokens of ``gate + ape`` weighting the keys (float32)."""
-  s = gates.astype(jnp.float32) + ape.astype(jnp.float32)
-  w = jnp.exp(s - jnp.max(s, axis=-2, keepdims=True))
-  w = w / jnp.sum(w, axis=-2, keepdims=True)
-  return jnp.sum(w * keys.astype(jnp.float32), axis=-2)
+  k = keys.shape[-2]
+  return _combine_tokens([keys[..., i, :] for i in range(k)], [gates[..., i, :] for i in range(k)],
+                         [ape[i] for i in range(k)])
+
+
+def _combine_tokens(keys, gates, apes):
+  """``combine_pool`` over lists of the pool's K tokens' ``[..., D]`` rows, one token after the other:
+  elementwise operations only, the same in XLA and in the Triton kernel (which cannot stack rows)."""
+  s = [g.astype(jnp.float32) + a.astype(jnp.float32) for g, a in zip(gates, apes)]
+  m = functools.reduce(jnp.maximum, s)
+  w = [jnp.exp(x - m) for x in s]
+  total = functools.reduce(operator.add, w)
+  return functools.reduce(operator.add, [(wi / total) * k.astype(jnp.float32) for wi, k in zip(w, keys)])
 
 
 def _encode_pooled(x: Float[Array, "... D"], model_dtype, cache_dtype: str):
@@ -68,24 +85,54 @@ def _encode_pooled(x: Float[Array, "... D"], model_dtype, cache_dtype: str):
   return value_bytes(q), value_bytes(scale)
 
 
-def _kpool_kernel(slots_ref, keys_ref, gates_ref, ape_ref, cache_in_ref, cache_ref, *, view: KernelView, cache_dtype):
-  # slots_ref: [T]; keys_ref / gates_ref: [T, K, D] (the pool ending at each token);
-  # ape_ref: [K, D]; cache_ref: [num_rows, page_bytes] kernel pages (aliases cache_in_ref).
+def _kpool_kernel(slots_ref, pos_ref, req_ref, tail_slots_ref, keys_ref, gates_ref, ape_ref, ring_ref, cache_in_ref,
+                 cache_ref, *, view: KernelView, cache_dtype, kpool, ring, ring_rows_per_block, tail_offset_bytes):
+  # slots_ref / pos_ref / req_ref / tail_slots_ref: [T]; keys_ref / gates_ref: [T, D]; ape_ref: [K, D];
+  # ring_ref: uint8 [rows, W] holding the tail ring (tail block b is rows b * ring_rows_per_block...),
+  # or None when the ring lives in the cache itself (read through cache_ref, which aliases
+  # cache_in_ref: the pages written and the ring bytes read are disjoint);
+  # cache_ref: [num_rows, page_bytes] kernel pages.
   del cache_in_ref
+  ring_ref = cache_ref if ring_ref is None else ring_ref
   t = pl.program_id(0)
   slot = slots_ref[t]
+  d = keys_ref.shape[1]
+  dtype = keys_ref.dtype
+  itemsize = jnp.dtype(dtype).itemsize
+  width = ring_ref.shape[1]
+
+  def ring_entry(head, p):
+    # The ring's float32 values of position p, head 0 (keys) or 1 (gates): gathered byte by byte
+    # (uint8 rows, any alignment) and put together little-endian into 32-bit words; a bf16 is
+    # the top half of its float32.
+    start = tail_offset_bytes + (head * ring + p % ring) * d * itemsize + itemsize * jnp.arange(d)
+    row0 = (jnp.maximum(tail_slots_ref[t], 0) // ring) * ring_rows_per_block
+    word = jnp.zeros((d,), jnp.uint32)
+    for byte in range(itemsize):
+      at = start + byte
+      word = word | (ring_ref[row0 + at // width, at % width].astype(jnp.uint32) << (8 * (byte + 4 - itemsize)))
+    return jax.lax.bitcast_convert_type(word, jnp.float32)
 
   @pl.when(slot >= 0)
   def _():
-    pooled = combine_pool(keys_ref[t], gates_ref[t], ape_ref[...])
-    values, scale = _encode_pooled(pooled, keys_ref.dtype, cache_dtype)
+    # The pool's earlier tokens: from the batch where the step holds them (a request's tokens are
+    # contiguous and in order), else from the ring, read before this step's stash overwrites it.
+    pos, req = pos_ref[t], req_ref[t]
+    ks, gs = [], []
+    for j in range(kpool - 1, -1, -1):
+      src = jnp.maximum(t - j, 0)
+      in_batch = (t >= j) & (req_ref[src] == req) & (pos_ref[src] == pos - j)
+      ks.append(jnp.where(in_batch, keys_ref[src].astype(jnp.float32), ring_entry(0, pos - j)))
+      gs.append(jnp.where(in_batch, gates_ref[src].astype(jnp.float32), ring_entry(1, pos - j)))
+    pooled = _combine_tokens(ks, gs, [ape_ref[i] for i in range(kpool)])
+    values, scale = _encode_pooled(pooled, dtype, cache_dtype)
     p = view.entries_per_page
     row = view.base_row + slot // p
     entry = slot % p
-    width = values.shape[-1]
-    cache_ref[row, pl.ds(view.offset_bytes + entry * width, width)] = values
+    width_v = values.shape[-1]
+    cache_ref[row, pl.ds(view.offset_bytes + entry * width_v, width_v)] = values
     if scale is not None:
-      cache_ref[row, pl.ds(view.offset_bytes + p * width + entry * 4, 4)] = scale
+      cache_ref[row, pl.ds(view.offset_bytes + p * width_v + entry * 4, 4)] = scale
 
 
 def _pool_sources(tail, keys, gates, positions, req_indices, tail_slots, *, kpool, ring, tail_page_offset_bytes):
@@ -131,6 +178,8 @@ def _validate(cache, tail, keys, gates, ape, positions, req_indices, tail_slots,
   if keys.ndim != 2 or gates.shape != keys.shape or gates.dtype != keys.dtype:
     raise ValueError(f"keys and gates must be [num_tokens, D] of one dtype, got {keys.dtype}{list(keys.shape)} "
                      f"and {gates.dtype}{list(gates.shape)}.")
+  if keys.dtype not in (jnp.bfloat16, jnp.float32):
+    raise ValueError(f"keys and gates must be bfloat16 or float32 (the model dtypes), got {keys.dtype}.")
   if ape.shape != (kpool, d):
     raise ValueError(f"ape must be [{kpool}, {d}], got {list(ape.shape)}.")
   for name, a in (("positions", positions), ("req_indices", req_indices), ("tail_slots", tail_slots),
@@ -208,23 +257,33 @@ def kpool_compress_and_write(
   pages = cache.reshape(-1, rb)
   _validate(pages, tail_rows, keys, gates, ape, positions, req_indices, tail_slots, compressed_slots, kpool=kpool,
             view=view, tail_view=tail_view, cache_dtype=cache_dtype)
-  # Read the pools' earlier tokens from the ring before this step overwrites it.
-  pool_k, pool_g = _pool_sources(tail_rows, keys, gates, positions, req_indices, tail_slots, kpool=kpool, ring=ring,
-                                 tail_page_offset_bytes=tail_view.offset_bytes)
   if implementation == "xla":
+    # Read the pools' earlier tokens from the ring before this step overwrites it.
+    pool_k, pool_g = _pool_sources(tail_rows, keys, gates, positions, req_indices, tail_slots, kpool=kpool,
+                                   ring=ring, tail_page_offset_bytes=tail_view.offset_bytes)
     pages = _write_pools_reference(pages, pool_k, pool_g, ape, compressed_slots, view=view, cache_dtype=cache_dtype)
   else:
+    # One program per token (those completing no pool return at once), reading its pool from the
+    # batch and the ring in place: no [T, kpool, D] pool copies in XLA.
+    kernel = functools.partial(_kpool_kernel, view=view, cache_dtype=cache_dtype, kpool=kpool, ring=ring,
+                               ring_rows_per_block=tail_rows.shape[1] // (rb if shared else tail_rows.shape[1]),
+                               tail_offset_bytes=tail_view.offset_bytes)
+    operands = [compressed_slots, positions, req_indices, tail_slots, keys, gates, ape.astype(jnp.float32)]
+    if shared:
+      kernel = without_ref(kernel, len(operands))
+    else:
+      operands.append(tail)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     pages = pl.pallas_call(
-        functools.partial(_kpool_kernel, view=view, cache_dtype=cache_dtype),
+        kernel,
         out_shape=jax.ShapeDtypeStruct(pages.shape, pages.dtype),
         grid=(keys.shape[0],),
-        in_specs=[any_spec] * 5,
+        in_specs=[any_spec] * (len(operands) + 1),
         out_specs=any_spec,
-        input_output_aliases={4: 0},
+        input_output_aliases={len(operands): 0},
         interpret=default_interpret(interpret),
         name="kpool_compress",
-    )(compressed_slots, pool_k, pool_g, ape.astype(jnp.float32), pages)
+    )(*operands, pages)
   cache = pages.reshape(cache.shape)
   # Stash the raw keys (head slot 0) and gates (head slot 1) of each request's last ring tokens.
   stash = _stash_slots(positions, req_indices, tail_slots, ring)

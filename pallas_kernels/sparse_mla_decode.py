@@ -47,9 +47,10 @@ def _token_rows(block_table, req, tok, *, view: KernelView, entry_bytes_: int):
   return view.base_row + slot // view.tokens_per_row, view.offset_bytes + (slot % view.tokens_per_row) * entry_bytes_
 
 
-def _sparse_mla_kernel(q_ref, rows_ref, cols_ref, values_ref, scales_ref, acc_ref, m_ref, l_ref, *, latent_dim,
-                       block_k, blocks_per_split, sm_scale, cache_dtype):
-  # q_ref: [T, Hp, L]; rows_ref / cols_ref: [T, Kp] latent row (-1: none) and element column;
+def _sparse_mla_kernel(q_ref, rows_ref, cols_ref, count_ref, values_ref, scales_ref, acc_ref, m_ref, l_ref, *,
+                       latent_dim, block_k, blocks_per_split, sm_scale, cache_dtype):
+  # q_ref: [T, Hp, L]; rows_ref / cols_ref: [T, Kp] latent row (-1: none) and element column, the
+  # selected rows of each query first; count_ref: [T] selected rows per query;
   # values_ref: [rows, row_elems]; scales_ref: [rows, row_words] f32 (fp8) or None;
   # acc_ref: [T, S, Hp, L], m_ref / l_ref: [T, S, Hp] partial softmax state of split S.
   t = pl.program_id(0)
@@ -61,17 +62,25 @@ def _sparse_mla_kernel(q_ref, rows_ref, cols_ref, values_ref, scales_ref, acc_re
   precision = jax.lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
   q = q_ref[t, pl.ds(hb * bh, bh), :].astype(dot_dtype)  # [BH, L]
 
-  def attend(row, col, carry):
+  def body(i, carry):
     m, s_sum, acc = carry
+    start = (split * blocks_per_split + i) * block_k
+    row = rows_ref[t, pl.ds(start, block_k)]  # [BK]
+    col = cols_ref[t, pl.ds(start, block_k)]
     valid = row >= 0
     row = jnp.maximum(row, 0)
-    c = values_ref[row[:, None], col[:, None] + jnp.arange(l)[None, :]].astype(jnp.float32)  # [BK, L]
-    if scales_ref is not None:  # fp8: one fp32 scale per group of values, right after the values
+    # Masked loads skip the unselected rows' bytes (the null block's may decode to NaN, and 0 * NaN
+    # would poison p @ c); bf16/f32 ones read zeros there and feed the dots directly.
+    cols = col[:, None] + jnp.arange(l)[None, :]
+    if scales_ref is None:
+      c = pltriton.load(values_ref.at[row[:, None], cols], mask=valid[:, None], other=0).astype(dot_dtype)  # [BK, L]
+    else:  # fp8 (Triton has no fp8 fill value): one fp32 scale per group of values, right after the values
       group = min(l, FP8_GROUP)
-      sc = scales_ref[row[:, None], ((col + l) // 4)[:, None] + jnp.arange(l // group)[None, :]]  # [BK, G]
+      c = pltriton.load(values_ref.at[row[:, None], cols], mask=valid[:, None]).astype(jnp.float32)
+      sc = pltriton.load(scales_ref.at[row[:, None], ((col + l) // 4)[:, None] + jnp.arange(l // group)[None, :]],
+                         mask=valid[:, None])  # [BK, G]
       c = (c.reshape(block_k, l // group, group) * sc[:, :, None]).reshape(block_k, l)
-    # Masked rows read the null block, whose bytes may decode to NaN: 0 * NaN would poison p @ c.
-    c = jnp.where(valid[:, None], c, 0.0).astype(dot_dtype)
+      c = jnp.where(valid[:, None], c, 0.0).astype(dot_dtype)
     s = jnp.dot(q, c.T, precision=precision, preferred_element_type=jnp.float32) * sm_scale  # [BH, BK]
     s = jnp.where(valid[None, :], s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -84,18 +93,13 @@ def _sparse_mla_kernel(q_ref, rows_ref, cols_ref, values_ref, scales_ref, acc_re
                                          preferred_element_type=jnp.float32)
     return m_new, s_sum, acc
 
-  def body(i, carry):
-    start = (split * blocks_per_split + i) * block_k
-    row = rows_ref[t, pl.ds(start, block_k)]  # [BK]
-    col = cols_ref[t, pl.ds(start, block_k)]
-    # A tile that selects nothing would leave the state exactly as it is (alpha 1, p 0): skip its
-    # gathers and dots. Short contexts select fewer than K tokens, and their -1 columns sit
-    # together between the pools and the tail (topk_selection.py): prefill queries and requests
-    # under 2k tokens skip most tiles.
-    return jax.lax.cond(jnp.max(row) >= 0, functools.partial(attend, row, col), lambda c: c, carry)
-
+  # The selected rows come first, so the tiles holding any are a prefix: the loop runs over exactly
+  # those, without a branch in its body (which would keep Triton from pipelining it). Short contexts
+  # select fewer than K tokens, and prefill queries and requests under 2k tokens run few tiles.
+  todo = jnp.maximum(count_ref[t] - split * blocks_per_split * block_k, 0)
+  tiles = jnp.minimum((todo + block_k - 1) // block_k, blocks_per_split)
   init = (jnp.full((bh,), -jnp.inf, jnp.float32), jnp.zeros((bh,), jnp.float32), jnp.zeros((bh, l), jnp.float32))
-  m, s_sum, acc = jax.lax.fori_loop(0, blocks_per_split, body, init)
+  m, s_sum, acc = jax.lax.fori_loop(0, tiles, body, init)
   acc_ref[t, split, pl.ds(hb * bh, bh), :] = acc
   m_ref[t, split, pl.ds(hb * bh, bh)] = m
   l_ref[t, split, pl.ds(hb * bh, bh)] = s_sum
@@ -190,7 +194,6 @@ def sparse_mla_decode(
   valid = (token_indices >= 0) & (req_indices[:, None] >= 0)
   rows, cols = _token_rows(block_table, jnp.maximum(req_indices, 0)[:, None], jnp.maximum(token_indices, 0),
                            view=view, entry_bytes_=e)
-  rows = jnp.where(valid, rows, -1)
   elem = 1 if cache_dtype == "fp8" else jnp.dtype(cache_dtype).itemsize
   cols = cols // elem
   k = token_indices.shape[1]
@@ -200,8 +203,13 @@ def sparse_mla_decode(
     num_splits = max(1, min(num_blocks, cdiv(264, t * (hp // bh))))
   blocks_per_split = cdiv(num_blocks, num_splits)
   kp = num_splits * blocks_per_split * block_k
-  rows = jnp.pad(rows, ((0, 0), (0, kp - k)), constant_values=-1)
-  cols = jnp.pad(cols, ((0, 0), (0, kp - k)))
+  # Each query's selected rows first, in their order (a stable partition by one scatter): the
+  # kernel loops over the tiles that hold any and no further.
+  count = jnp.sum(valid, axis=1, dtype=jnp.int32)
+  dest = jnp.where(valid, jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1, kp)  # kp: dropped
+  at = (jnp.arange(t)[:, None], dest)
+  rows = jnp.full((t, kp), -1, jnp.int32).at[at].set(rows, mode="drop", unique_indices=True)
+  cols = jnp.zeros((t, kp), jnp.int32).at[at].set(cols, mode="drop", unique_indices=True)
   cache = cache.reshape(-1, view.row_bytes)
   n = cache.shape[0]
   if cache_dtype == "fp8":
@@ -212,9 +220,9 @@ def sparse_mla_decode(
     scales = None
   kernel = functools.partial(_sparse_mla_kernel, latent_dim=l, block_k=block_k, blocks_per_split=blocks_per_split,
                              sm_scale=sm_scale, cache_dtype=cache_dtype)
-  operands = [q, rows, cols, values]
+  operands = [q, rows, cols, count, values]
   if scales is None:
-    kernel = without_ref(kernel, 4)
+    kernel = without_ref(kernel, 5)
   else:
     operands.append(scales)
   any_spec = pl.BlockSpec(memory_space=pl.ANY)

@@ -60,3 +60,23 @@ def test_cache_write_is_in_place_and_validates():
   with pytest.raises(ValueError, match="implementation must be one of"):
     write_to_paged_cache(jnp.zeros((4, 64), jnp.uint8), entries, jnp.array([1, 2], jnp.int32), view=view,
                          implementation="cuda")
+
+
+def test_round_to_e4m3_is_one_rounding_to_nearest_even():
+  """Every e4m3 value, the midpoints between neighbours (ties), their float32 neighbours and random
+  values round as ml_dtypes' single rounding does, so the fp8 cast after it is exact everywhere."""
+  import ml_dtypes
+
+  from pallas_kernels._common import round_to_e4m3
+
+  rng = np.random.default_rng(0)
+  grid = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  grid = np.unique(grid[np.isfinite(grid)])
+  mids = ((grid[:-1].astype(np.float64) + grid[1:]) / 2).astype(np.float32)
+  x = np.concatenate([grid, mids, np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(-np.inf)),
+                      rng.uniform(-448, 448, 20000).astype(np.float32),
+                      (rng.standard_normal(20000) * 0.01).astype(np.float32)])
+  x = np.clip(x, -448, 448)
+  got = np.asarray(round_to_e4m3(jnp.asarray(x)))
+  np.testing.assert_array_equal(got.view(np.uint32), x.astype(ml_dtypes.float8_e4m3fn).astype(np.float32).view(np.uint32))
+  np.testing.assert_array_equal(np.asarray(jnp.asarray(got).astype(jnp.float8_e4m3fn).astype(jnp.float32)), got)

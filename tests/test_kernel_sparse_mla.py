@@ -37,6 +37,8 @@ def test_sparse_mla_decode(layout, cache_dtype, rank):
       n = int(rng.integers(0, k + 1)) if i else 0  # row 0 selects nothing
       idx[i, :n] = rng.choice(lengths[r], size=min(n, lengths[r]), replace=False)
   idx[1, :] = rng.permutation(45)[:k] if k <= 45 else idx[1]
+  # The selector leaves its -1 columns between the pools and the tail: rows 2-4 scatter theirs.
+  idx[2:5] = rng.permuted(idx[2:5], axis=1)
   q = rng.standard_normal((len(reqs), h, rank)).astype(np.float32)
   sm_scale = 1.0 / np.sqrt(rank)
   table = jnp.asarray(tables[b.kv_cache_group_id].block_table)
