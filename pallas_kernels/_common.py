@@ -63,11 +63,29 @@ def exp2_int(e: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
 
 
+def round_to_model_dtype(x: jax.Array, dtype) -> jax.Array:
+  """float32 ``x`` rounded to ``dtype`` (bfloat16: by integer ops, ties to even; float32: as is),
+  kept in float32.
+
+  ``x.astype(bfloat16).astype(float32)`` is not kept on a GPU: XLA's excess-precision rewrite
+  (``xla_allow_excess_precision``, on by default) drops the pair of converts, Triton does not, so
+  the XLA path and a kernel would store different values.
+  """
+  x = x.astype(jnp.float32)
+  if jnp.dtype(dtype) == jnp.float32:
+    return x
+  if jnp.dtype(dtype) != jnp.bfloat16:
+    raise ValueError(f"model dtype must be bfloat16 or float32, got {jnp.dtype(dtype).name}.")
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & jnp.uint32(0xFFFF0000)
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def round_to_e4m3(x: jax.Array) -> jax.Array:
   """float32 ``x`` (``|x| <= 448``) rounded to the nearest e4m3 value, ties to even, by integer ops.
 
-  The conversion to fp8 is then exact on every backend: XLA on a GPU converts float32 to fp8
-  through float16 (rounding twice), Triton in one step, and they disagree on a few values in 10^5.
+  The conversion to fp8 after it is exact, so the stored byte does not depend on each backend's
+  own float32-to-fp8 routine (XLA's and Triton's are separate code).
   """
   bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
   mag = bits & 0x7FFFFFFF

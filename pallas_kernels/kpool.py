@@ -38,6 +38,7 @@ from pallas_kernels._common import (
     check_implementation,
     default_interpret,
     quantize_fp8_pow2,
+    round_to_model_dtype,
     value_bytes,
     without_ref,
 )
@@ -78,7 +79,7 @@ def _combine_tokens(keys, gates, apes):
 
 def _encode_pooled(x: Float[Array, "... D"], model_dtype, cache_dtype: str):
   """Pooled key rounded to the model dtype, then as cache bytes: (values, 4 scale bytes or None)."""
-  x = x.astype(model_dtype).astype(jnp.float32)
+  x = round_to_model_dtype(x, model_dtype)
   if cache_dtype != "fp8":
     return value_bytes(x.astype(cache_dtype)), None
   q, scale = quantize_fp8_pow2(x)

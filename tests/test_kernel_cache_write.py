@@ -80,3 +80,18 @@ def test_round_to_e4m3_is_one_rounding_to_nearest_even():
   got = np.asarray(round_to_e4m3(jnp.asarray(x)))
   np.testing.assert_array_equal(got.view(np.uint32), x.astype(ml_dtypes.float8_e4m3fn).astype(np.float32).view(np.uint32))
   np.testing.assert_array_equal(np.asarray(jnp.asarray(got).astype(jnp.float8_e4m3fn).astype(jnp.float32)), got)
+
+
+def test_round_to_model_dtype_is_the_bfloat16_rounding():
+  """Integer rounding to bfloat16 (which XLA cannot elide on a GPU) equals the conversion, ties included."""
+  from pallas_kernels._common import round_to_model_dtype
+
+  rng = np.random.default_rng(1)
+  x = np.concatenate([rng.standard_normal(50000).astype(np.float32) * 10.0 ** rng.integers(-20, 20, 50000),
+                      # ties: a bfloat16 value plus half its last place, both parities
+                      (np.arange(1, 5000, dtype=np.uint32) << 16 | 0x8000).view(np.float32)]).astype(np.float32)
+  want = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
+  np.testing.assert_array_equal(np.asarray(round_to_model_dtype(jnp.asarray(x), jnp.bfloat16)), want)
+  np.testing.assert_array_equal(np.asarray(round_to_model_dtype(jnp.asarray(x), jnp.float32)), x)
+  with pytest.raises(ValueError, match="float16"):
+    round_to_model_dtype(jnp.asarray(x), jnp.float16)
