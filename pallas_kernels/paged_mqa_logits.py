@@ -119,7 +119,7 @@ def paged_mqa_logits(
     view: KernelView,
     cache_dtype: str = "fp8",
     pages_per_program: int | None = None,
-    num_warps: int | None = None,
+    num_warps: int | None = 4,
     num_stages: int | None = 3,
     implementation: str = "pallas",
     interpret: bool | None = None,
@@ -138,8 +138,9 @@ def paged_mqa_logits(
     cache_dtype: ``"fp8"``, ``"bfloat16"`` or ``"float32"``.
     pages_per_program: pages per program (None: enough programs to fill the GPU, at most 8 pages
       each, so batch 1 spreads its context over the SMs).
-    num_warps, num_stages: Triton's launch knobs (``benchmarks/kernels.py`` sweeps these; num_warps None:
-      from the pages per program).
+    num_warps, num_stages: Triton's launch knobs (``benchmarks/kernels.py`` sweeps these). One
+      setting for every batch: the head sum is split over the warps, so a request's logits would
+      otherwise depend on the batch it runs in (docs/kernels.md, lease I).
   """
   check_implementation(implementation)
   _validate(q, pages, weights, context_lens, kernel_block_table, view, cache_dtype)
@@ -169,10 +170,6 @@ def paged_mqa_logits(
     # batch 1 x 128k is 2.2x faster with one page per program than with 8 (512 programs, not 64).
     pages_per_program = max(1, min(8, b * num_pages // 1024))
   ppp = min(pages_per_program, num_pages)
-  if num_warps is None:
-    # Measured on the H200 (docs/kernels.md, lease I): with 8 pages per program (large batches) 2
-    # warps are 7-11% faster than 4; with fewer pages (small batches) 4 warps.
-    num_warps = 2 if ppp >= 8 else 4
   num_chunks = cdiv(num_pages, ppp)
   if num_chunks * ppp != num_pages:  # whole chunks: pad the table with null pages (masked anyway)
     kernel_block_table = jnp.pad(kernel_block_table, ((0, 0), (0, num_chunks * ppp - num_pages)))
