@@ -113,3 +113,38 @@ def test_specs_shard_the_tiny_model_on_an_eight_device_cpu_mesh():
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   assert out.returncode == 0, out.stderr[-3000:]
   assert out.stdout.split() == ["ok", "8"]
+
+
+def test_paged_mqa_logits_split_by_rows_is_bitwise_the_whole_call():
+  """On a mesh the indexer's logits run per device on its share of the step's rows
+  (``HeadSharding.map`` over axis 0): each row keeps the single-device arithmetic, bitwise."""
+  code = textwrap.dedent("""
+      import jax, jax.numpy as jnp, numpy as np
+      from jax.sharding import Mesh
+      from jaxkv import KernelView
+      from models.glm5_next.sharding import HeadSharding
+      from pallas_kernels._common import quantize_fp8_pow2, value_bytes
+      from pallas_kernels.paged_mqa_logits import paged_mqa_logits
+      rng = np.random.default_rng(0)
+      t, p, d, h, pages = 8, 32, 32, 16, 40
+      q8, sc = quantize_fp8_pow2(jnp.asarray(rng.standard_normal((pages, p, d)), jnp.float32))
+      cache = jnp.concatenate([value_bytes(q8).reshape(pages, -1), value_bytes(sc).reshape(pages, -1)], 1)
+      view = KernelView.for_rows(cache.shape[1], entries_per_page=p)
+      q = jnp.asarray(rng.standard_normal((t, 1, h, d)), jnp.float32).astype(jnp.float8_e4m3fn)
+      w = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+      ctx = jnp.asarray(rng.integers(1, 5 * p, (t, 1)), jnp.int32)
+      table = jnp.asarray(np.stack([rng.permutation(pages)[:5] for _ in range(t)]), jnp.int32)
+      fn = lambda *a: paged_mqa_logits(*a, view=view, cache_dtype="fp8", implementation="pallas")
+      whole = np.asarray(fn(q, cache, w, ctx, table))
+      mesh = Mesh(np.array(jax.devices()).reshape(1, 2), ("data", "tensor"))
+      split = HeadSharding(mesh).map(fn, (q, cache, w, ctx, table), (0, None, 0, 0, 0), (0,))
+      assert [s.data.shape for s in split.addressable_shards] == [(t // 2, 5 * p)] * 2
+      assert np.isfinite(whole).sum() == int(ctx.sum())  # -inf exactly past each row's entries
+      np.testing.assert_array_equal(np.asarray(split), whole)
+      print("ok")
+  """)
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.split() == ["ok"]

@@ -68,12 +68,14 @@ class PagedLayout:
     raise KeyError(f"no cache {name!r} in the plan")
 
 
-def _on_heads(attn, fn, args, in_heads, out_heads):
-  """``fn(*args)``; on a mesh, per device on its heads (``attn.head_sharding``, see
-  ``sharding.HeadSharding.map`` for the head axes)."""
-  if attn.head_sharding is None:
+def _per_device(attn, fn, args, in_axes, out_axes):
+  """``fn(*args)``; on a mesh, per device on its share of the axes named (``attn.head_sharding``,
+  see ``sharding.HeadSharding.map``), or whole on every device where a split axis does not divide
+  by the tensor size (rows of a small token bucket; head counts always divide)."""
+  sharding = attn.head_sharding
+  if sharding is None or any(a is not None and x.shape[a] % sharding.size for x, a in zip(args, in_axes)):
     return fn(*args)
-  return attn.head_sharding.map(fn, args, in_heads, out_heads)
+  return sharding.map(fn, args, in_axes, out_axes)
 
 
 def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, state_dtype: str, implementation: str):
@@ -134,7 +136,7 @@ def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, state_dtype
       windows[:, 1:], mode="drop")
   kda = functools.partial(fused_recurrent_kda, implementation=gpu_kernel_implementation(implementation))
   args = (q, kk, v, g, beta, rec, jnp.zeros((num_reqs, num_slots) + rec.shape[1:], rec.dtype), req, slot)
-  o, rec_slots = _on_heads(attn, kda, args, in_heads=(1, 1, 1, 1, 1, 1, 2, None, None), out_heads=(1, 2))
+  o, rec_slots = _per_device(attn, kda, args, in_axes=(1, 1, 1, 1, 1, 1, 2, None, None), out_axes=(1, 2))
   y = attn.output(o, x)
   # Write back the slots this step produced.
   conv_parts = [conv_slots[..., i, :].astype(sdt) for i in range(3)]  # q, k, v windows, as stored
@@ -212,9 +214,12 @@ def _dsa_step(attn, x, caches, layout: PagedLayout, name: str, inputs: StepInput
     rows = jnp.maximum(req, 0)
     q_in = q.astype(jnp.float32) if layout.indexer_cache_dtype == "float32" else q
     # relu(c * s) = c * relu(s) for c > 0: the 1/sqrt(K) score scale folds into the head weights.
-    logits = paged_mqa_logits(q_in[:, None], caches[idx.tensor], w * ind.k ** -0.5, ((pos + 1) // ind.kpool)[:, None],
-                              kt[rows], view=idx, cache_dtype=layout.indexer_cache_dtype,
-                              implementation=implementation)
+    # Rows are independent and summed over all heads: on a mesh each device scores its share of the
+    # step's tokens (the head sum stays whole, so each row's arithmetic is the single-device one).
+    mqa = functools.partial(paged_mqa_logits, view=idx, cache_dtype=layout.indexer_cache_dtype,
+                            implementation=implementation)
+    args = (q_in[:, None], caches[idx.tensor], w * ind.k ** -0.5, ((pos + 1) // ind.kpool)[:, None], kt[rows])
+    logits = _per_device(attn, mqa, args, in_axes=(0, None, 0, 0, 0), out_axes=(0,))
     indices = select_topk_tokens(logits, pos + 1, kpool=ind.kpool, index_topk=ind.topk)
     indices = jnp.where((req >= 0)[:, None], indices, -1)
   else:
@@ -226,7 +231,7 @@ def _dsa_step(attn, x, caches, layout: PagedLayout, name: str, inputs: StepInput
   decode = functools.partial(sparse_mla_decode, view=mla, cache_dtype=layout.kv_cache_dtype, sm_scale=attn.dk ** -0.5,
                              implementation=implementation)
   args = (q_lat.astype(jnp.float32), caches[mla.tensor], indices, req, table)
-  o_lat = _on_heads(attn, decode, args, in_heads=(1, None, None, None, None), out_heads=(1,))
+  o_lat = _per_device(attn, decode, args, in_axes=(1, None, None, None, None), out_axes=(1,))
   o = jnp.einsum("thl,hvl->thv", o_lat.astype(x.dtype), w_kvb[:, attn.dk:].astype(x.dtype), precision=_HP)
   return attn.o_proj(o.reshape(t, -1)), caches, indices
 

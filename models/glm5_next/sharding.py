@@ -152,23 +152,29 @@ class ExpertSharding:
 
 @dataclasses.dataclass(frozen=True)
 class HeadSharding:
-  """Runs a per-head computation on each device's heads (a static attribute of the KDA and MLA
-  modules on a mesh).
+  """Runs a Pallas kernel on each device's share of its heads or rows (a static attribute of the
+  KDA and MLA modules on a mesh).
 
   XLA's partitioner cannot split a custom call: a Pallas kernel (the KDA recurrence, sparse MLA
-  decode) inside the partitioned step would run on gathered, replicated heads on every device.
-  Under ``shard_map`` each device runs it on the heads its column-parallel weights produced; the
-  heads are independent, so each head's arithmetic is the single-device one.
+  decode, paged MQA logits) inside the partitioned step would run on gathered, replicated inputs
+  on every device. Under ``shard_map`` each device runs it on its heads (those its column-parallel
+  weights produced) or, for a kernel whose rows are independent, on its rows; either way each
+  head's or row's arithmetic is the single-device one.
   """
 
   mesh: Mesh
 
-  def map(self, fn, args, in_heads: tuple[int | None, ...], out_heads: tuple[int | None, ...]):
-    """``fn(*args)`` per device: ``in_heads[i]`` / ``out_heads[j]`` is the head axis of each
-    argument / output (split over ``tensor``), None for one the device sees whole."""
+  @property
+  def size(self) -> int:
+    """Devices an axis is split over (the tensor axis)."""
+    return self.mesh.shape[TENSOR]
+
+  def map(self, fn, args, in_axes: tuple[int | None, ...], out_axes: tuple[int | None, ...]):
+    """``fn(*args)`` per device: ``in_axes[i]`` / ``out_axes[j]`` is the axis of each argument /
+    output split over ``tensor``, None for one the device sees whole."""
     spec = lambda axis: P() if axis is None else P(*([None] * axis), TENSOR)
-    out_specs = tuple(spec(a) for a in out_heads)
-    return jax.shard_map(fn, mesh=self.mesh, in_specs=tuple(spec(a) for a in in_heads),
+    out_specs = tuple(spec(a) for a in out_axes)
+    return jax.shard_map(fn, mesh=self.mesh, in_specs=tuple(spec(a) for a in in_axes),
                          out_specs=out_specs if len(out_specs) > 1 else out_specs[0], check_vma=False)(*args)
 
 
