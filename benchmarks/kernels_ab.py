@@ -1,0 +1,101 @@
+"""Interleaved A/B of kernels against a previous revision's files, in one process.
+
+    mkdir -p /tmp/prev && git show REV:pallas_kernels/kpool.py > /tmp/prev/kpool.py
+    python benchmarks/kernels_ab.py --previous /tmp/prev --out DIR [--variant 'ns2={"num_stages": 2}']
+
+For every kernel whose file is in ``--previous``, each size is timed previous, current, previous,
+current (same inputs, same process, `benchmarks/kernels.py`'s timing), so clock and bandwidth
+drift hit both alike; ``--variant`` adds current-code runs with other tuning arguments. Results go
+to ``DIR/kernels_ab.json`` after every size. ``benchmarks/kernels.py`` times the current code alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import json
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import kernels as K  # noqa: E402
+
+# module -> (public function, benchmark, sizes)
+KERNELS = {
+    "sparse_mla_decode": ("sparse_mla_decode", K.bench_sparse_mla,
+                          [dict(batch=64, ctx=32768), dict(batch=1, ctx=32768), dict(batch=8, ctx=32768),
+                           dict(batch=32, ctx=1024), dict(batch=64, ctx=32768, cache_dtype="fp8")]),
+    "paged_mqa_logits": ("paged_mqa_logits", K.bench_mqa_logits,
+                         [dict(batch=1, ctx=131072), dict(batch=8, ctx=32768), dict(batch=64, ctx=32768),
+                          dict(batch=64, ctx=131072)]),
+    "kpool": ("kpool_compress_and_write", K.bench_kpool, [dict(tokens=128), dict(tokens=1024), dict(tokens=8192)]),
+    "cache_write": ("write_to_paged_cache", K.bench_cache_write,
+                    [dict(tokens=8), dict(tokens=1024), dict(tokens=8192)]),
+}
+
+
+def _load(path: pathlib.Path, name: str):
+  spec = importlib.util.spec_from_file_location(f"previous_{name}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def run(args):
+  import pallas_kernels  # noqa: F401  (the package re-exports each function under its module's name)
+
+  previous_dir = pathlib.Path(args.previous)
+  variants = [v.split("=", 1) for v in args.variant]
+  bw = K.measure_bandwidth(args.iters, args.repeats)
+  print(f"measured bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+  result = {"bandwidth_Bps": bw, "iters": args.iters, "rows": []}
+  only = args.only.split(",") if args.only else list(KERNELS)
+  for module_name, (fn_name, bench, sizes) in KERNELS.items():
+    if module_name not in only or not (previous_dir / f"{module_name}.py").exists():
+      continue
+    module = importlib.import_module(f"pallas_kernels.{module_name}")
+    current = getattr(module, fn_name)
+    previous = getattr(_load(previous_dir / f"{module_name}.py", module_name), fn_name)
+    runs = [("previous", previous, {}), ("current", current, {}),
+            *[(name, current, json.loads(tune)) for name, tune in variants],
+            ("previous_again", previous, {}), ("current_again", current, {})]
+    for kw in sizes:
+      row = {"kernel": module_name, **kw}
+      for name, fn, tune in runs:
+        # The benchmarks import the kernel from its module at call time: swap it there.
+        setattr(module, fn_name, functools.partial(fn, **tune) if tune else fn)
+        try:
+          t, nbytes = bench(**kw, impl="pallas", iters=args.iters, repeats=args.repeats)
+          row[f"{name}_us"] = t * 1e6
+          row[f"{name}_frac_bw"] = nbytes / t / bw
+        except Exception as e:  # a variant that does not compile is a result too
+          row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        finally:
+          setattr(module, fn_name, current)
+        print(module_name, kw, name, f"{row[f'{name}_us']:.1f} us" if f"{name}_us" in row else row[f"{name}_error"],
+              flush=True)
+      result["rows"].append(row)
+      if args.out:
+        out = pathlib.Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "kernels_ab.json").write_text(json.dumps(result, indent=1))
+  return result
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--previous", required=True, help="directory of previous kernel files (MODULE.py)")
+  p.add_argument("--out", help="directory for kernels_ab.json")
+  p.add_argument("--only", metavar="MODULES", help=f"comma-separated, of {', '.join(KERNELS)} (default: all)")
+  p.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                 help="also time the current kernel with these tuning arguments")
+  p.add_argument("--iters", type=int, default=20)
+  p.add_argument("--repeats", type=int, default=5)
+  run(p.parse_args())
+
+
+if __name__ == "__main__":
+  main()
