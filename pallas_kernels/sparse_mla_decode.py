@@ -206,7 +206,8 @@ def sparse_mla_decode(
   # Each query's selected rows first, in their order (a stable partition by one scatter): the
   # kernel loops over the tiles that hold any and no further.
   count = jnp.sum(valid, axis=1, dtype=jnp.int32)
-  dest = jnp.where(valid, jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1, kp)  # kp: dropped
+  # Unselected columns go to distinct places past the end (dropped): every index is unique.
+  dest = jnp.where(valid, jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1, kp + jnp.arange(k, dtype=jnp.int32))
   at = (jnp.arange(t)[:, None], dest)
   rows = jnp.full((t, kp), -1, jnp.int32).at[at].set(rows, mode="drop", unique_indices=True)
   cols = jnp.zeros((t, kp), jnp.int32).at[at].set(cols, mode="drop", unique_indices=True)
