@@ -47,6 +47,22 @@ def default_interpret(interpret: bool | None) -> bool:
   return jax.default_backend() == "cpu" if interpret is None else interpret
 
 
+def check_byte_addressable(array: jax.Array, name: str, interpret: bool) -> None:
+  """Raises ``ValueError`` when a compiled kernel would address 1-byte elements of ``array`` that
+  its offsets cannot reach.
+
+  Pallas's Triton lowering computes element offsets in signed 32-bit integers unless the array is
+  larger than 2^32 bytes: in a uint8 or fp8 view of an array of 2-4 GiB, the bytes past 2 GiB
+  would be addressed with negative offsets (before the array). Interpret mode has no such limit.
+  """
+  nbytes = array.size * array.dtype.itemsize
+  if not interpret and 2**31 < nbytes <= 2**32:
+    raise ValueError(f"{name} is {nbytes} bytes ({nbytes / 2**30:.2f} GiB): Pallas's Triton kernels address byte "
+                     "arrays of 2-4 GiB with 32-bit offsets, which do not reach past 2 GiB (64-bit offsets start "
+                     "above 4 GiB). Size each cache array at most 2 GiB or above 4 GiB (the KV-cache budget, "
+                     "--memory-gib).")
+
+
 def pow2_scale_exponent(amax: jax.Array) -> jax.Array:
   """``ceil(log2(max(amax, floor) / 448))`` exactly, by integer ops on the float32 bits.
 

@@ -25,6 +25,7 @@ from jaxkv.utils import cdiv
 from pallas_kernels._common import (
     FP8_DTYPE,
     FP8_GROUP,
+    check_byte_addressable,
     check_implementation,
     default_interpret,
     f32_bytes,
@@ -131,6 +132,7 @@ def write_to_paged_cache(
   if implementation == "xla":
     return write_to_paged_cache_reference(cache, entries, slots, view=view)
   rows = cache.reshape(-1, view.row_bytes)
+  check_byte_addressable(rows, f"the cache array of {view.layer_name}", default_interpret(interpret))
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   return pl.pallas_call(
       functools.partial(_cache_write_kernel, view=view),

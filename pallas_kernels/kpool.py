@@ -35,6 +35,7 @@ from jaxtyping import Array, Float, Int, UInt8
 from jaxkv.kernel_view import KernelView
 from pallas_kernels._common import (
     FP8_DTYPE,
+    check_byte_addressable,
     check_implementation,
     default_interpret,
     quantize_fp8_pow2,
@@ -269,6 +270,9 @@ def kpool_compress_and_write(
     kernel = functools.partial(_kpool_kernel, view=view, cache_dtype=cache_dtype, kpool=kpool, ring=ring,
                                ring_rows_per_block=tail_rows.shape[1] // (rb if shared else tail_rows.shape[1]),
                                tail_offset_bytes=tail_view.offset_bytes)
+    for name, arr in (("indexer cache", pages), ("tail ring", None if shared else tail)):
+      if arr is not None:
+        check_byte_addressable(arr, f"the {name} array of {view.layer_name}", default_interpret(interpret))
     operands = [compressed_slots, positions, req_indices, tail_slots, keys, gates, ape.astype(jnp.float32)]
     if shared:
       kernel = without_ref(kernel, len(operands))

@@ -23,7 +23,14 @@ from jaxtyping import Array, Float, Int, UInt8
 
 from jaxkv.kernel_view import KernelView
 from jaxkv.utils import cdiv
-from pallas_kernels._common import FP8_DTYPE, MIN_DOT_ROWS, check_implementation, default_interpret, without_ref
+from pallas_kernels._common import (
+    FP8_DTYPE,
+    MIN_DOT_ROWS,
+    check_byte_addressable,
+    check_implementation,
+    default_interpret,
+    without_ref,
+)
 from pallas_kernels.kpool import INDEXER_CACHE_DTYPES, indexer_page_bytes, read_indexer_entries
 
 __all__ = ["paged_mqa_logits", "paged_mqa_logits_reference"]
@@ -158,6 +165,7 @@ def paged_mqa_logits(
   # Free typed views of the same bytes (no copy inside jit): values as [rows, page_bytes / D, D], so
   # a page's P entries are one 2-D block; fp8 scales as float32 words.
   if cache_dtype == "fp8":
+    check_byte_addressable(rows, f"the indexer cache array of {view.layer_name}", default_interpret(interpret))
     values = jax.lax.bitcast_convert_type(rows, FP8_DTYPE).reshape(rows.shape[0], -1, d)
     scales = jax.lax.bitcast_convert_type(rows.reshape(rows.shape[0], -1, 4), jnp.float32)
   else:

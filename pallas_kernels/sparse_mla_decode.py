@@ -32,6 +32,7 @@ from pallas_kernels._common import (
     FP8_DTYPE,
     FP8_GROUP,
     MIN_DOT_ROWS,
+    check_byte_addressable,
     check_implementation,
     default_interpret,
     without_ref,
@@ -214,6 +215,7 @@ def sparse_mla_decode(
   cache = cache.reshape(-1, view.row_bytes)
   n = cache.shape[0]
   if cache_dtype == "fp8":
+    check_byte_addressable(cache, f"the latent cache array of {view.layer_name}", default_interpret(interpret))
     values = jax.lax.bitcast_convert_type(cache, FP8_DTYPE)
     scales = jax.lax.bitcast_convert_type(cache.reshape(n, -1, 4), jnp.float32)
   else:

@@ -96,3 +96,35 @@ def test_round_to_model_dtype_is_the_bfloat16_rounding():
   np.testing.assert_array_equal(np.asarray(round_to_model_dtype(jnp.asarray(x), jnp.float32)), x)
   with pytest.raises(ValueError, match="float16"):
     round_to_model_dtype(jnp.asarray(x), jnp.float16)
+
+
+def test_compiled_kernels_refuse_byte_arrays_their_offsets_cannot_reach():
+  """Pallas's Triton lowering uses 32-bit element offsets up to 4 GiB arrays: a uint8 or fp8 view
+  of 2-4 GiB cannot be addressed past 2 GiB, so the compiled kernels refuse it with the sizes
+  (abstract arrays: nothing is allocated); 2 GiB, above 4 GiB and interpret mode are accepted."""
+  import functools
+
+  import jax
+
+  from pallas_kernels.paged_mqa_logits import paged_mqa_logits
+
+  row = 1 << 20
+  write = lambda rows, interpret: jax.eval_shape(
+      functools.partial(write_to_paged_cache, view=KernelView.for_rows(row, tokens_per_row=1024, layer_name="lat"),
+                        interpret=interpret),
+      jax.ShapeDtypeStruct((rows, row), jnp.uint8), jax.ShapeDtypeStruct((8, 1024), jnp.uint8),
+      jax.ShapeDtypeStruct((8,), jnp.int32))
+  with pytest.raises(ValueError, match=r"the cache array of lat is 3221225472 bytes \(3.00 GiB\)"):
+    write(3072, interpret=False)
+  for rows, interpret in ((2048, False), (4097, False), (3072, True)):
+    assert write(rows, interpret).shape == (rows, row)
+  p, d, b = 64, 128, 4
+  view = KernelView.for_rows(p * (d + 4), entries_per_page=p, layer_name="idx")
+  mqa = lambda pages: jax.eval_shape(
+      functools.partial(paged_mqa_logits, view=view, cache_dtype="fp8", interpret=False),
+      jax.ShapeDtypeStruct((b, 1, 32, d), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((pages, p * (d + 4)), jnp.uint8),
+      jax.ShapeDtypeStruct((b, 32), jnp.float32), jax.ShapeDtypeStruct((b, 1), jnp.int32),
+      jax.ShapeDtypeStruct((b, 8), jnp.int32))
+  with pytest.raises(ValueError, match="indexer cache array of idx"):
+    mqa(400_000)  # 3.4 GB
+  assert mqa(200_000).shape == (b, 8 * p)
