@@ -30,6 +30,7 @@ import operator
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int, UInt8
 
 from jaxkv.kernel_view import KernelView
@@ -103,16 +104,18 @@ def _kpool_kernel(slots_ref, pos_ref, req_ref, tail_slots_ref, keys_ref, gates_r
   itemsize = jnp.dtype(dtype).itemsize
   width = ring_ref.shape[1]
 
-  def ring_entry(head, p):
+  def ring_entry(head, p, needed):
     # The ring's float32 values of position p, head 0 (keys) or 1 (gates): gathered byte by byte
     # (uint8 rows, any alignment) and put together little-endian into 32-bit words; a bf16 is
-    # the top half of its float32.
+    # the top half of its float32. Loaded only where ``needed`` (the token is not in the batch).
+    mask = jnp.broadcast_to(needed, (d,))
     start = tail_offset_bytes + (head * ring + p % ring) * d * itemsize + itemsize * jnp.arange(d)
     row0 = (jnp.maximum(tail_slots_ref[t], 0) // ring) * ring_rows_per_block
     word = jnp.zeros((d,), jnp.uint32)
     for byte in range(itemsize):
       at = start + byte
-      word = word | (ring_ref[row0 + at // width, at % width].astype(jnp.uint32) << (8 * (byte + 4 - itemsize)))
+      raw = pltriton.load(ring_ref.at[row0 + at // width, at % width], mask=mask, other=0)
+      word = word | (raw.astype(jnp.uint32) << (8 * (byte + 4 - itemsize)))
     return jax.lax.bitcast_convert_type(word, jnp.float32)
 
   @pl.when(slot >= 0)
@@ -124,17 +127,17 @@ def _kpool_kernel(slots_ref, pos_ref, req_ref, tail_slots_ref, keys_ref, gates_r
     for j in range(kpool - 1, -1, -1):
       src = jnp.maximum(t - j, 0)
       in_batch = (t >= j) & (req_ref[src] == req) & (pos_ref[src] == pos - j)
-      ks.append(jnp.where(in_batch, keys_ref[src].astype(jnp.float32), ring_entry(0, pos - j)))
-      gs.append(jnp.where(in_batch, gates_ref[src].astype(jnp.float32), ring_entry(1, pos - j)))
+      ks.append(jnp.where(in_batch, keys_ref[src].astype(jnp.float32), ring_entry(0, pos - j, ~in_batch)))
+      gs.append(jnp.where(in_batch, gates_ref[src].astype(jnp.float32), ring_entry(1, pos - j, ~in_batch)))
     pooled = _combine_tokens(ks, gs, [ape_ref[i] for i in range(kpool)])
     values, scale = _encode_pooled(pooled, dtype, cache_dtype)
     p = view.entries_per_page
     row = view.base_row + slot // p
     entry = slot % p
-    width_v = values.shape[-1]
-    cache_ref[row, pl.ds(view.offset_bytes + entry * width_v, width_v)] = values
+    value_width = values.shape[-1]
+    cache_ref[row, pl.ds(view.offset_bytes + entry * value_width, value_width)] = values
     if scale is not None:
-      cache_ref[row, pl.ds(view.offset_bytes + p * width_v + entry * 4, 4)] = scale
+      cache_ref[row, pl.ds(view.offset_bytes + p * value_width + entry * 4, 4)] = scale
 
 
 def _pool_sources(tail, keys, gates, positions, req_indices, tail_slots, *, kpool, ring, tail_page_offset_bytes):
@@ -270,9 +273,9 @@ def kpool_compress_and_write(
     kernel = functools.partial(_kpool_kernel, view=view, cache_dtype=cache_dtype, kpool=kpool, ring=ring,
                                ring_rows_per_block=tail_rows.shape[1] // (rb if shared else tail_rows.shape[1]),
                                tail_offset_bytes=tail_view.offset_bytes)
-    for name, arr in (("indexer cache", pages), ("tail ring", None if shared else tail)):
-      if arr is not None:
-        check_byte_addressable(arr, f"the {name} array of {view.layer_name}", default_interpret(interpret))
+    check_byte_addressable(pages, f"the indexer cache array of {view.layer_name}", default_interpret(interpret))
+    if not shared:
+      check_byte_addressable(tail, f"the tail ring array of {tail_view.layer_name}", default_interpret(interpret))
     operands = [compressed_slots, positions, req_indices, tail_slots, keys, gates, ape.astype(jnp.float32)]
     if shared:
       kernel = without_ref(kernel, len(operands))
