@@ -127,7 +127,7 @@ def main() -> int:
   if args.explain_cache_misses:  # a compilation after warm-up says why
     jax.config.update("jax_explain_cache_misses", True)
   from jaxkv.engine import EngineConfig, LLMEngine, get_model_family
-  from jaxkv.engine.benchmark import benchmark_decode
+  from jaxkv.engine.benchmark import benchmark_decode, decode_new_tokens
   from jaxkv.kv_cache_config import CacheConfig
   import numpy as np
 
@@ -143,7 +143,7 @@ def main() -> int:
   rng = np.random.default_rng(0)
   for batch in batches:
     prompts = [list(rng.integers(1, config.vocab_size, args.context)) for _ in range(batch)]
-    new_tokens = args.steps + 16 + (8 if args.profile else 0)
+    new_tokens = decode_new_tokens(batch, args.context, args.budget, args.steps, 8 if args.profile else 0)
     cache = CacheConfig(block_size=1024, layout="packed", kv_cache_dtype=args.kv_cache_dtype, indexer_cache_dtype="fp8",
                         state_dtype="bfloat16", memory_bytes=int(args.memory_gib * 2**30), max_model_len=args.context + new_tokens + 64)
     for meta in args.metadata_implementations.split(","):

@@ -11,7 +11,6 @@ import sys
 from jaxkv.engine.model_runner import get_model_family
 from jaxkv.kv_cache_config import CacheConfig, plan_kv_cache
 from jaxkv.kv_cache_report import render_plan
-from jaxkv.utils import cdiv
 
 __all__ = ["main", "build_parser"]
 
@@ -267,16 +266,14 @@ _RANDOM_DRAFTS = ("random weights: the MTP layer's drafts are unrelated to the m
 def cmd_bench(args) -> int:
   import numpy as np
 
-  from jaxkv.engine.benchmark import benchmark_decode
+  from jaxkv.engine.benchmark import benchmark_decode, decode_new_tokens
 
   family, config = _model_config(args)
   rng = np.random.default_rng(args.seed)
   prompts = [list(rng.integers(1, config.vocab_size, args.context)) for _ in range(args.batch)]
-  # Requests prefilled early decode while later ones prefill: leave them room for that, so every
-  # request is still decoding during all timed (and profiled) steps.
   profile_steps = 8 if args.profile else 0
-  prefill_steps = cdiv(args.batch * args.context, args.max_num_batched_tokens) + 1
-  new_tokens = (prefill_steps + args.steps + profile_steps) * (1 + args.num_spec) + 1
+  new_tokens = decode_new_tokens(args.batch, args.context, args.max_num_batched_tokens, args.steps, profile_steps,
+                                 args.num_spec)
   engine = _engine(args, family, config, args.context + new_tokens)
   result = {"config": "checkpoint" if args.model_path else args.config,
             **benchmark_decode(engine, prompts, steps=args.steps, new_tokens=new_tokens, profile_dir=args.profile,

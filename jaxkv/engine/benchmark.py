@@ -9,8 +9,18 @@ import numpy as np
 
 from jaxkv.engine.engine import LLMEngine
 from jaxkv.engine.request import SamplingParams
+from jaxkv.utils import cdiv
 
-__all__ = ["benchmark_decode"]
+__all__ = ["benchmark_decode", "decode_new_tokens"]
+
+
+def decode_new_tokens(batch: int, context: int, max_num_batched_tokens: int, steps: int, profile_steps: int = 0,
+                      num_spec: int = 0) -> int:
+  """``max_new_tokens`` that keeps every request decoding through the timed and profiled steps:
+  requests prefilled early decode (up to ``1 + num_spec`` tokens a step) while later ones prefill,
+  for up to one step per ``max_num_batched_tokens`` prompt tokens."""
+  prefill_steps = cdiv(batch * context, max_num_batched_tokens) + 1
+  return (prefill_steps + steps + profile_steps) * (1 + num_spec) + 1
 
 
 def benchmark_decode(engine: LLMEngine, prompts: Sequence[Sequence[int]], *, steps: int, new_tokens: int,
@@ -40,6 +50,11 @@ def benchmark_decode(engine: LLMEngine, prompts: Sequence[Sequence[int]], *, ste
     outs = engine.step()
     lat.append(time.perf_counter() - t)
     tokens += sum(len(o.new_token_ids) for o in outs)
+  ended = {r.request_id: r.finish_reason for r in reqs if r.finish_reason is not None}
+  if ended:  # the steps were not all of len(prompts) requests
+    raise RuntimeError(f"{len(ended)} of {len(prompts)} requests ended before the timed steps did ({ended}; errors: "
+                       f"{[r.error for r in reqs if r.finish_reason == 'error']}); give them max_new_tokens >= "
+                       f"decode_new_tokens(...) = room for the steps they decode while the others prefill.")
   drafted, accepted = engine.num_draft_tokens - drafted, engine.num_accepted_tokens - accepted
   profile = None
   if profile_dir is not None:

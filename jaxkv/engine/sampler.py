@@ -13,11 +13,13 @@ __all__ = ["sample"]
 
 
 def nucleus_ways(rows: int) -> int:
-  """Width of the top-p nucleus search for ``rows`` sampled positions a step: a few rows' step is
-  bound by its launches (32 ways: 6 passes, measured 2.21 -> 1.76 ms per batch-1 step and 3.23 ->
-  3.11 ms at batch 8 on the H200), a larger one by the GPU's work, where the bisection reads the
-  vocabulary least (30 reads a row against 186). ``benchmarks/sampler.py`` times each width."""
-  return 32 if rows <= 8 else 2
+  """Width of the top-p nucleus search for ``rows`` sampled positions a step, the fastest measured
+  (``benchmarks/sampler.py`` on the H200, GLM-5.3-Flash's vocabulary, docs/performance.md): 8 ways
+  (10 passes of 7 sums) up to 8 rows, where the search is bound by its dependent launches (124 us
+  at 1 row against 131 for 32 ways and 187 for a bisection); 4 ways (15 passes of 3) above, where
+  it is bound by the vocabulary reads (273 us at 32 rows, 693 at 128, against 280 and 908 for a
+  bisection). Each width is an exact search of the same float32 bits; only its passes differ."""
+  return 8 if rows <= 8 else 4
 
 
 def sample(
