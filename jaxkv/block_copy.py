@@ -60,7 +60,9 @@ class BlockRegions:
     """The bytes of the groups ``group_ids`` (default: every group).
 
     Packed: one range of the arena row, from byte 0 to the end of the last page of those groups
-    (groups alias from byte 0, so a block of any of them lies in it). Dense: each layer's page.
+    (groups alias from byte 0, so a block of any of them lies in it). Dense: each layer's page; a
+    tensor split over devices (``KVCacheTensor.shards``) holds one page per row on each device,
+    so its region is the whole row of the array, every device's share.
     """
     ids = set(range(len(plan.kv_cache_groups)) if group_ids is None else group_ids)
     names = {n for g in ids for n in plan.kv_cache_groups[g].layer_names}
@@ -69,7 +71,15 @@ class BlockRegions:
       end = max(v.tensor_offset_bytes + v.page_bytes for v in views)
       regions = (BlockRegion(views[0].tensor, plan.bytes_per_block, 0, end),)
     else:
-      regions = tuple(BlockRegion(v.tensor, v.block_stride_bytes, v.tensor_offset_bytes, v.page_bytes) for v in views)
+      shards = {t.name: t.shards for t in plan.tensors}
+      regions = []
+      for v in views:
+        n = shards[v.tensor]
+        if n > 1 and not (v.tensor_offset_bytes == 0 and v.page_bytes == v.block_stride_bytes == v.row_bytes):
+          raise ValueError(f"{v.layer_name}: a cache split over devices must fill its rows (one manager page "
+                           f"per row), got page {v.page_bytes} B at {v.tensor_offset_bytes} of {v.row_bytes} B rows.")
+        regions.append(BlockRegion(v.tensor, n * v.block_stride_bytes, n * v.tensor_offset_bytes, n * v.page_bytes))
+      regions = tuple(regions)
     return cls(plan.num_blocks, regions)
 
   @property

@@ -60,7 +60,9 @@ def cache_config_from_args(args, config) -> CacheConfig:
 def plan_from_args(args):
   family, config = _model_config(args)
   cache = cache_config_from_args(args, config)
-  return family, config, cache, plan_kv_cache(family.get_kv_cache_layers(config, cache), cache)
+  # One device's plan: with --tensor-parallel-size the dense layout splits the KDA states by head.
+  layers = family.get_kv_cache_layers(config, cache, tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+  return family, config, cache, plan_kv_cache(layers, cache)
 
 
 def _per_device(args, family, config, cache) -> dict | None:
@@ -71,7 +73,10 @@ def _per_device(args, family, config, cache) -> dict | None:
   r = family.per_device(config, cache, tensor_parallel_size=tp, data_parallel_size=dp, expert_parallel=ep)
   p = r["plan"]
   cache_bytes = sum(t.size_bytes for t in p.tensors)
+  caches = ("KDA states split by head, latents and pooled keys whole" if any(t.shards > 1 for t in p.tensors)
+            else "every cache whole on each device")
   return {"tensor_parallel_size": tp, "data_parallel_size": dp, "expert_parallel": ep, "devices": tp * dp,
+          "caches": caches,
           "weight_bytes_bf16": r["weight_bytes_bf16"], "weight_bytes_fp8": r["weight_bytes_fp8"],
           "kv_cache_bytes": cache_bytes, "bytes_per_block": p.bytes_per_block,
           "token_capacity_per_replica": p.token_capacity,
@@ -85,8 +90,7 @@ def _render_per_device(d: dict) -> str:
   return (f"\nPer device, {d['devices']} devices (tensor {d['tensor_parallel_size']} x data "
           f"{d['data_parallel_size']}, expert parallel {ep}):\n"
           f"  weights              {gib(d['weight_bytes_bf16'])} bf16, {gib(d['weight_bytes_fp8'])} fp8\n"
-          f"  KV cache             {gib(d['kv_cache_bytes'])} ({d['bytes_per_block']:,} B per block; KDA states "
-          f"split by head, latents and pooled keys replicated)\n"
+          f"  KV cache             {gib(d['kv_cache_bytes'])} ({d['bytes_per_block']:,} B per block; {d['caches']})\n"
           f"  token capacity       {d['token_capacity_per_replica']:,} tokens per data-parallel replica "
           f"({d['max_num_full_length_requests_per_replica']} full-length requests)\n"
           f"  needs                {gib(d['total_bytes_bf16'])} per device with bf16 weights, "

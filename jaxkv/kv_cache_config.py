@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -104,28 +104,42 @@ class CacheConfig:
 
 @dataclasses.dataclass(frozen=True)
 class KVCacheLayer:
-  """One cache a model layer keeps (a DSA layer keeps three: latent, pooled keys, tail ring)."""
+  """One cache a model layer keeps (a DSA layer keeps three: latent, pooled keys, tail ring).
+
+  ``shards``: devices the cache is split over along its bytes (a state split by head over the
+  mesh's tensor axis); ``spec`` is then one device's share. Dense layout only: a packed block
+  holds every group's pages, and the others are one copy per device.
+  """
 
   name: str
   spec: KVCacheSpec
   backend: AttentionBackend
+  shards: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
 class KVCacheTensor:
-  """One backing allocation: ``uint8[num_rows, row_bytes]``."""
+  """One backing allocation: ``uint8[num_rows, row_bytes]`` per device.
+
+  A tensor of ``shards > 1`` is one array ``uint8[num_rows, shards * row_bytes]`` split along its
+  rows' bytes over the mesh's tensor axis; each device holds (and the plan's views address) its
+  ``row_bytes``.
+  """
 
   name: str
   num_rows: int
   row_bytes: int
   layer_names: tuple[str, ...]
+  shards: int = 1
 
   @property
   def size_bytes(self) -> int:
+    """Bytes on one device."""
     return self.num_rows * self.row_bytes
 
   def shape_dtype(self) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct((self.num_rows, self.row_bytes), jnp.uint8)
+    """The whole array (all shards)."""
+    return jax.ShapeDtypeStruct((self.num_rows, self.shards * self.row_bytes), jnp.uint8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,11 +196,15 @@ class KVCacheConfig:
   def block_table_widths(self) -> tuple[int, ...]:
     return tuple(g.kv_cache_spec.max_num_blocks_per_req(self.max_model_len) for g in self.kv_cache_groups)
 
-  def allocate(self, device=None) -> dict[str, jax.Array]:
-    """Zeroed backing arrays, keyed by tensor name."""
-    return {
-        t.name: jax.device_put(jnp.zeros((t.num_rows, t.row_bytes), jnp.uint8), device) for t in self.tensors
-    }
+  def allocate(self, shardings: Mapping[str, jax.sharding.Sharding] | None = None) -> dict[str, jax.Array]:
+    """Zeroed backing arrays, keyed by tensor name; ``shardings`` (by name) places each one,
+    zeroed on each device in place (a split tensor is never whole on one device)."""
+    out = {}
+    for t in self.tensors:
+      shape = t.shape_dtype().shape
+      sharding = None if shardings is None else shardings[t.name]
+      out[t.name] = jax.jit(lambda shape=shape: jnp.zeros(shape, jnp.uint8), out_shardings=sharding)()
+    return out
 
   def init_kernel_block_tables(self, max_num_reqs: int) -> tuple[jax.Array | None, ...]:
     """Each attention group's persistent kernel-block table (None where the group has no split)."""
@@ -224,7 +242,8 @@ class KVCacheConfig:
             {**ag.describe(), "kv_cache_spec": ag.kv_cache_spec.describe()} for ag in self.attention_groups
         ],
         "tensors": [
-            {"name": t.name, "shape": [t.num_rows, t.row_bytes], "dtype": "uint8", "layers": len(t.layer_names)}
+            {"name": t.name, "shape": [t.num_rows, t.row_bytes], "dtype": "uint8", "layers": len(t.layer_names),
+             "shards": t.shards}
             for t in self.tensors
         ],
         "views": [dataclasses.asdict(v) for v in self.views],
@@ -267,6 +286,21 @@ def _check_layers(layers: Sequence[KVCacheLayer]) -> None:
   names = [l.name for l in layers]
   if len(set(names)) != len(names):
     raise ValueError(f"duplicate layer names: {sorted({n for n in names if names.count(n) > 1})}.")
+  bad = [l.name for l in layers if l.shards < 1]
+  if bad:
+    raise ValueError(f"shards must be >= 1, got {[l.shards for l in layers if l.shards < 1]} for {bad}.")
+
+
+def _check_shards(layers: Sequence[KVCacheLayer], layout: str, groups) -> None:
+  split = [l.name for l in layers if l.shards > 1]
+  if split and layout != "dense":
+    raise ValueError(f"{split[0]} (and {len(split) - 1} more) is split over devices (shards "
+                     f"{max(l.shards for l in layers)}), which needs the dense layout: a packed block holds every "
+                     "group's pages in one row, the replicated caches' too. Use layout='dense' or shards=1.")
+  for members in groups:  # one tensor per layer in the dense layout; a group shares one block table only
+    if len({l.shards for l in members}) > 1:
+      raise ValueError(f"the layers of one group must be split alike, got shards {[l.shards for l in members]} "
+                       f"for {[l.name for l in members]}.")
 
 
 def _resolve_block_size(layers: Sequence[KVCacheLayer], cc: CacheConfig) -> tuple[list[KVCacheLayer], int]:
@@ -374,7 +408,8 @@ def _bind(layers, groups, attn_groups, layer_ag, offsets, bytes_per_block: int, 
     if layout == "packed":
       tensor, block_stride = tensors[0], bytes_per_block
     else:
-      tensor = KVCacheTensor(l.name, num_blocks * ag.blocks_per_kernel_block, ag.kernel_page_bytes, (l.name,))
+      tensor = KVCacheTensor(l.name, num_blocks * ag.blocks_per_kernel_block, ag.kernel_page_bytes, (l.name,),
+                             l.shards)
       tensors.append(tensor)
       block_stride = l.spec.page_size_bytes
     views.append(ag.map_kv_cache_to_kernel_blocks(
@@ -406,6 +441,7 @@ def plan_kv_cache(layers: Sequence[KVCacheLayer], cache_config: CacheConfig) -> 
   _check_layers(layers)
   layers, block_size = _resolve_block_size(layers, cc)
   groups = _group_layers(layers, cc.layout)
+  _check_shards(layers, cc.layout, groups)
   attn_groups, layer_ag = _make_attention_groups(groups, cc.kernel_block_size)
   offsets, bytes_per_block, stride_alignment = _place_pages(layers, groups, cc.layout)
   num_blocks = _count_blocks(groups, bytes_per_block, cc)

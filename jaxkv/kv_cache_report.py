@@ -43,7 +43,8 @@ def render_plan(plan: KVCacheConfig, title: str = "") -> str:
                f"{str(ag['kernel_block_size'] or '-'):>8}{ag['blocks_per_kernel_block']:>5}"
                f"{ag['kernel_block_stride']:>8,}{ag['kernel_page_bytes']:>10,}")
   out.append("")
-  tensors = ", ".join(f"{t['name']} uint8{t['shape']}" for t in d["tensors"][:4])
+  split = lambda t: f" per device (split {t['shards']} ways by head)" if t.get("shards", 1) > 1 else ""
+  tensors = ", ".join(f"{t['name']} uint8{t['shape']}{split(t)}" for t in d["tensors"][:4])
   more = f", ... ({len(d['tensors'])} in all)" if len(d["tensors"]) > 4 else ""
   out.append(f"  tensors: {tensors}{more}")
   return "\n".join(out) + "\n"

@@ -3,7 +3,8 @@
 ``tests/test_sharded_engine.py`` runs it in subprocesses: the CPU device count
 (``--xla_force_host_platform_device_count``) is fixed when JAX starts, and under
 ``jax.distributed`` each process is its own program. A configuration is ``DPxTP`` with suffixes:
-``e`` expert parallelism, ``-dense`` the dense layout split into 64-token kernel blocks (block 256),
+``e`` expert parallelism, ``-dense`` the dense layout split into 64-token kernel blocks (block 128; on a tensor split the
+KDA states are split by head),
 ``-prefix`` prefix caching with a host offload tier (then two longer prompts are served three
 more times: cold, warm from the device's prefix cache, and after the device forgot it, from the
 host), ``-mtp`` MTP drafting (k = 2) on the random ``glm-5.3-flash-tiny`` model (the committed
@@ -48,7 +49,8 @@ def _swap_run(engine, runner, c: dict, vocab: int) -> dict:
   state_blocks = engine.plan.blocks_per_request(1) - 1  # KDA groups + tail ring
   tight = (1 + 3 * (state_blocks + 2) + 1) * engine.plan.bytes_per_block
   swapping = LLMEngine(runner, EngineConfig(
-      cache=CacheConfig(block_size=128, memory_bytes=tight), max_num_reqs=4, max_num_batched_tokens=128,
+      cache=CacheConfig(block_size=128, layout=engine.plan.layout, kernel_block_size=engine.plan.cache_config.kernel_block_size,
+                        memory_bytes=tight), max_num_reqs=4, max_num_batched_tokens=128,
       buckets=(128,), tensor_parallel_size=c["tensor_parallel_size"], data_parallel_size=c["data_parallel_size"],
       enable_expert_parallel=c["enable_expert_parallel"], preemption_mode="swap"))
   runs = {key: [[r.output_token_ids, _top5([r])[0]] for r in e.generate(prompts, sampling)]
@@ -110,7 +112,7 @@ def main() -> int:
               "model": sum(x.size for x in leaves)}
     runner = Glm5NextRunner.from_model(model, implementation="pallas" if c["pallas"] else "auto")
     k = 2 if c["mtp"] else 0
-    cache = (CacheConfig(block_size=256, layout="dense", kernel_block_size=64, num_speculative_tokens=k) if c["dense"]
+    cache = (CacheConfig(block_size=128, layout="dense", kernel_block_size=64, num_speculative_tokens=k) if c["dense"]
              else CacheConfig(block_size=128, num_speculative_tokens=k))
     engine = LLMEngine(runner, EngineConfig(
         cache=cache, max_num_reqs=4, max_num_batched_tokens=128, buckets=(128,),
@@ -118,6 +120,8 @@ def main() -> int:
         enable_expert_parallel=c["enable_expert_parallel"], enable_prefix_caching=c["prefix"],
         kv_offload="host" if c["prefix"] else None))
     warm = engine.warmup()
+    # Each cache array's row bytes: whole, and on one device (KDA states split by head: a share).
+    cache_rows = {n: [a.shape[1], a.addressable_shards[0].data.shape[1]] for n, a in engine.caches.items()}
     if c["mtp"]:
       rng = np.random.default_rng(0)
       reqs = engine.generate([[int(t) for t in rng.integers(1, 256, n)] for n in (13, 27, 5, 19)],
@@ -125,7 +129,8 @@ def main() -> int:
     else:
       reqs = engine.generate(prompts, sampling)
     run = out["runs"][name] = {"tokens": [r.output_token_ids for r in reqs], "top5": _top5(reqs),
-                               "compiled_in_warmup": warm, "loaded": loaded, "drafts": engine.num_draft_tokens}
+                               "compiled_in_warmup": warm, "loaded": loaded, "drafts": engine.num_draft_tokens,
+                               "cache_rows": cache_rows}
     if c["prefix"]:  # past a 128-token block: the second time, the first block comes from the cache
       long_prompts = [p * 6 for p in prompts]
       for key in ("cold", "warm", "offloaded"):

@@ -46,24 +46,35 @@ def _run_worker(configs: str) -> dict:
 
 def test_tensor_expert_and_data_parallel_match_one_device():
   # 4x2e: experts over all 8 devices, heads over 2, and preemption by swapping; 1x4e: heads and
-  # experts over 4, with prefix caching and host offload. (Three worker runs, not one: pytest's
-  # workers run them side by side.)
-  result = _run_worker("1x1,4x2e-swap,1x4e-prefix")
+  # experts over 4, with prefix caching and host offload; 2x2e-dense: both, in the dense layout,
+  # where the KDA states are split by head. (Three worker runs, not one: pytest's workers run them
+  # side by side.)
+  result = _run_worker("1x1,4x2e-swap,1x4e-prefix,2x2e-dense-prefix-swap")
   base = result["runs"]["1x1"]
   assert base["tokens"] == result["hf_greedy"]
-  for name in ("4x2e-swap", "1x4e-prefix"):
+  for name in ("4x2e-swap", "1x4e-prefix", "2x2e-dense-prefix-swap"):
     _check_against(result["runs"][name], base)
   # On the mesh, prompts served again start from their cached first block and say the same, bitwise,
-  # whether the block is still on the devices or comes back from the host offload tier.
-  prefix = result["runs"]["1x4e-prefix"]
-  assert prefix["cold"]["cached"] == 0 and prefix["warm"]["cached"] == prefix["offloaded"]["cached"] == 2 * 128
-  assert prefix["loaded_from_host"] > 0
-  for key in ("warm", "offloaded"):
-    assert prefix[key]["tokens"] == prefix["cold"]["tokens"] and prefix[key]["top5"] == prefix["cold"]["top5"], key
+  # whether the block is still on the devices or comes back from the host offload tier (the KDA
+  # state checkpoints of the dense run too: each device copies and offloads its heads' share).
+  for name in ("1x4e-prefix", "2x2e-dense-prefix-swap"):
+    prefix = result["runs"][name]
+    assert prefix["cold"]["cached"] == 0 and prefix["warm"]["cached"] == prefix["offloaded"]["cached"] == 2 * 128
+    assert prefix["loaded_from_host"] > 0
+    for key in ("warm", "offloaded"):
+      assert prefix[key]["tokens"] == prefix["cold"]["tokens"] and prefix[key]["top5"] == prefix["cold"]["top5"], key
   # Requests swapped out to the host and back on the mesh produce what they produce unpreempted.
-  swap = result["runs"]["4x2e-swap"]["swap"]
-  assert swap["swapped_out"] > 0 and swap["swapped_in"] == swap["swapped_out"]
-  assert swap["swapped"] == swap["roomy"]
+  for name in ("4x2e-swap", "2x2e-dense-prefix-swap"):
+    swap = result["runs"][name]["swap"]
+    assert swap["swapped_out"] > 0 and swap["swapped_in"] == swap["swapped_out"], name
+    assert swap["swapped"] == swap["roomy"], name
+  # Each device holds half of every KDA state row (its heads) and all of the other caches; packed,
+  # every cache is one copy per device.
+  rows = result["runs"]["2x2e-dense-prefix-swap"]["cache_rows"]
+  kda = {n for n in rows if n.endswith(".kda")}
+  assert kda and all(rows[n][0] == 2 * rows[n][1] for n in kda)
+  assert all(whole == mine for n, (whole, mine) in rows.items() if n not in kda)
+  assert all(whole == mine for whole, mine in result["runs"]["1x4e-prefix"]["cache_rows"].values())
 
 
 def test_pallas_kernels_per_device_match_one_device():

@@ -2,6 +2,7 @@
 counts against hand arithmetic and against the unsharded count, and the specs applied to a real
 8-device CPU mesh (a subprocess: the device count is fixed when JAX starts)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -12,8 +13,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxkv import CacheConfig
+from jaxkv.kv_cache_config import plan_kv_cache
 from jaxkv.cli import main
-from models.glm5_next import get_config
+from models.glm5_next import get_config, get_kv_cache_layers
 from models.glm5_next.runner import FAMILY
 from models.glm5_next.sharding import DATA, TENSOR, partition_spec, per_device_weight_bytes
 
@@ -49,14 +51,27 @@ def test_one_device_of_the_released_model():
   assert dp_ep["weight_bytes_bf16"] - tp8["weight_bytes_bf16"] < rest_one / 4 - rest_one / 8 + 1
   # fp8: about half, plus one float32 scale per 128 x 128 block.
   assert 0.48 < tp8["weight_bytes_fp8"] / tp8["weight_bytes_bf16"] < 0.53
-  # KDA states split by head: each layer's state page shrinks 8x (so more layers share a state group);
-  # the latent group, replicated, keeps its page.
+  # Packed: one arena row holds every group's pages, so every cache is one copy per device.
   def pages(plan, kind):
     return {g.kv_cache_spec.page_size_bytes for g in plan.kv_cache_groups if type(g.kv_cache_spec).__name__ == kind}
-  (kda_one,), (kda_tp8,) = pages(one["plan"], "LinearAttentionStateSpec"), pages(tp8["plan"], "LinearAttentionStateSpec")
-  assert kda_tp8 * 8 == pytest.approx(kda_one, rel=0.01)
-  assert pages(tp8["plan"], "MLAAttentionSpec") == pages(one["plan"], "MLAAttentionSpec")
-  assert len(tp8["plan"].kv_cache_groups) < len(one["plan"].kv_cache_groups)
+  for kind in ("LinearAttentionStateSpec", "MLAAttentionSpec"):
+    assert pages(tp8["plan"], kind) == pages(one["plan"], kind)
+  assert {t.shards for t in tp8["plan"].tensors} == {1}
+  # Dense: each KDA layer's state tensor is split by head, 8 devices holding an eighth of its row
+  # each; the latents and pooled keys keep their pages, one copy per device.
+  dense = dataclasses.replace(CACHE, layout="dense")
+  one_d = FAMILY.per_device(CFG, dense)["plan"]
+  tp8_d = FAMILY.per_device(CFG, dense, tensor_parallel_size=8, expert_parallel=True)["plan"]
+  (kda_one,), (kda_tp8,) = pages(one_d, "LinearAttentionStateSpec"), pages(tp8_d, "LinearAttentionStateSpec")
+  assert kda_tp8 * 8 == kda_one
+  assert pages(tp8_d, "MLAAttentionSpec") == pages(one_d, "MLAAttentionSpec")
+  split = {t.name: t for t in tp8_d.tensors if t.shards > 1}
+  assert set(split) == {f"layers.{i}.self_attn.kda" for i in CFG.kda_layers}
+  assert all(t.row_bytes == kda_tp8 and t.shape_dtype().shape[1] == kda_one for t in split.values())
+  assert tp8_d.num_blocks > one_d.num_blocks  # the same per-device budget holds more blocks
+  with pytest.raises(ValueError, match="needs the dense layout"):
+    plan_kv_cache([dataclasses.replace(l, shards=8) if l.spec.is_state else l
+                   for l in get_kv_cache_layers(CFG, CACHE)], CACHE)
 
 
 def test_sizes_that_do_not_divide_are_refused_with_the_sizes():

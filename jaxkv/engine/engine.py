@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from jaxkv.block_copy import BlockRegions, copy_blocks, pad_block_ids
 from jaxkv.block_table import MultiGroupBlockTable
 from jaxkv.engine.model_runner import ModelRunner, plan_for
-from jaxkv.engine.parallel import make_mesh, replicated
+from jaxkv.engine.parallel import cache_shardings, make_mesh, replicated
 from jaxkv.engine.request import MAX_LOGPROBS, Request, RequestOutput, RequestStatus, SamplingParams, is_int
 from jaxkv.engine.sampler import sample
 from jaxkv.engine.scheduler import Scheduler
@@ -217,12 +217,15 @@ class _StepStatics:
   _interned: dict = {}
 
   def __init__(self, runner: ModelRunner, layout, metadata_spec: StepMetadataSpec, num_speculative_tokens: int,
-               params_treedef, replicated: NamedSharding | None = None):
+               params_treedef, replicated: NamedSharding | None = None,
+               cache_shardings: dict[str, NamedSharding] | None = None):
     self.runner, self.layout, self.metadata_spec = runner, layout, metadata_spec
     self.num_speculative_tokens = num_speculative_tokens
     self.params_treedef = params_treedef
-    self.replicated = replicated  # on a mesh: the caches', tables' and outputs' one copy per device
-    self._key = (runner, layout, metadata_spec, num_speculative_tokens, params_treedef, replicated)
+    self.replicated = replicated  # on a mesh: the tables' and outputs' one copy per device
+    self.cache_shardings = cache_shardings  # on a mesh: each cache's placement
+    shardings_key = None if cache_shardings is None else tuple(sorted(cache_shardings.items()))
+    self._key = (runner, layout, metadata_spec, num_speculative_tokens, params_treedef, replicated, shardings_key)
     self._hash = hash(self._key)
 
   @classmethod
@@ -259,7 +262,9 @@ def _device_step(statics: _StepStatics, packing: _PackedInputs, param_leaves, ca
   if statics.replicated is not None:
     # Whatever XLA's partitioner chose inside, the step's state leaves as it came: the next step
     # then finds the same input shardings (no recompilation) and its donated buffers fit.
-    out = jax.lax.with_sharding_constraint(out, statics.replicated)
+    out = (jax.lax.with_sharding_constraint(out[0], statics.replicated),
+           {name: jax.lax.with_sharding_constraint(c, statics.cache_shardings[name]) for name, c in out[1].items()},
+           jax.lax.with_sharding_constraint(out[2], statics.replicated))
   return out
 
 
@@ -321,7 +326,7 @@ class LLMEngine:
     if 1 + k > config.max_num_batched_tokens:
       raise ValueError(f"max_num_batched_tokens {config.max_num_batched_tokens} cannot hold a verify step of "
                        f"1 + {k} tokens.")
-    self.plan = plan_for(runner, config.cache)
+    self.plan = plan_for(runner, config.cache, tensor_parallel_size=config.tensor_parallel_size)
     groups = self.plan.kv_cache_groups
     self.kv = KVCacheManager([g.kv_cache_spec for g in groups], self.plan.num_blocks,
                              enable_caching=config.enable_prefix_caching, use_eagle=k > 0)
@@ -332,7 +337,8 @@ class LLMEngine:
     self.scheduler = Scheduler(self.kv, self.tables, max_num_reqs=config.max_num_reqs,
                                max_num_batched_tokens=config.max_num_batched_tokens,
                                num_lookahead_tokens=max(k - 1, 0), connector=self.connector, swap=self.swap)
-    self.caches = jax.device_put(self.plan.allocate(), self._replicated)
+    self._cache_shardings = cache_shardings(self.plan, self.mesh)
+    self.caches = self.plan.allocate(self._cache_shardings)
     self.kernel_tables = jax.device_put(self.plan.init_kernel_block_tables(config.max_num_reqs), self._replicated)
     # Prefix caching's state checkpoints and restores: whole state blocks copied on the device, at
     # most one per request row and state group per call (one compiled shape).
@@ -348,7 +354,7 @@ class LLMEngine:
       meta_impl = gpu_kernel_implementation(getattr(runner, "implementation", "xla"))
     meta_spec = StepMetadataSpec.from_plan(self.plan, implementation=meta_impl)
     self._statics = _StepStatics.intern(runner, runner.paged_layout(self.plan), meta_spec, k, treedef,
-                                        self._replicated)
+                                        self._replicated, self._cache_shardings)
     self._packings: dict[int, _PackedInputs] = {}  # by token bucket
     s, top = 1 + k, min(MAX_LOGPROBS, runner.vocab_size)
     r = config.max_num_reqs

@@ -38,8 +38,9 @@ class ModelRunner(Protocol):
   vocab_size: int
   max_model_len: int
 
-  def get_kv_cache_layers(self, cache_config: CacheConfig) -> Sequence[KVCacheLayer]:
-    """Every cache the model keeps (and its draft head when ``num_speculative_tokens`` > 0)."""
+  def get_kv_cache_layers(self, cache_config: CacheConfig, *, tensor_parallel_size: int = 1) -> Sequence[KVCacheLayer]:
+    """Every cache the model keeps (and its draft head when ``num_speculative_tokens`` > 0), as one
+    device of a tensor split of ``tensor_parallel_size`` holds them (``KVCacheLayer.shards``)."""
 
   def shard(self, mesh: jax.sharding.Mesh, *, expert_parallel: bool = False) -> ModelRunner:
     """The same model with its weights placed on ``mesh`` (axes ``("data", "tensor")``)."""
@@ -70,7 +71,8 @@ class ModelFamily(Protocol):
   def from_pretrained(self, model_path: str, *, dtype: str, implementation: str, check_weights: bool = False,
                       mesh: jax.sharding.Mesh | None = None, expert_parallel: bool = False) -> ModelRunner: ...
   def from_random(self, config, *, dtype: str, seed: int, implementation: str) -> ModelRunner: ...
-  def get_kv_cache_layers(self, config, cache_config: CacheConfig) -> Sequence[KVCacheLayer]: ...
+  def get_kv_cache_layers(self, config, cache_config: CacheConfig, *,
+                          tensor_parallel_size: int = 1) -> Sequence[KVCacheLayer]: ...
   def weight_bytes(self, config, dtype: str) -> int: ...
   def check_parallel(self, config, *, tensor_parallel_size: int, data_parallel_size: int,
                      expert_parallel: bool) -> None: ...
@@ -90,7 +92,9 @@ def get_model_family(architecture: str = "glm5_next") -> ModelFamily:
   return getattr(importlib.import_module(module), name)
 
 
-def plan_for(runner: ModelRunner, cache_config: CacheConfig) -> KVCacheConfig:
+def plan_for(runner: ModelRunner, cache_config: CacheConfig, *, tensor_parallel_size: int = 1) -> KVCacheConfig:
   """The one way a model's KV cache is planned: its layers and the options, nothing else (a model
-  without a draft head refuses ``num_speculative_tokens`` in ``get_kv_cache_layers``)."""
-  return plan_kv_cache(runner.get_kv_cache_layers(cache_config), cache_config)
+  without a draft head refuses ``num_speculative_tokens`` in ``get_kv_cache_layers``). On a tensor
+  split the plan is one device's: ``memory_bytes`` is each device's budget."""
+  layers = runner.get_kv_cache_layers(cache_config, tensor_parallel_size=tensor_parallel_size)
+  return plan_kv_cache(layers, cache_config)

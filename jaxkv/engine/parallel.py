@@ -1,8 +1,9 @@
 """The device mesh of a sharded engine: ``("data", "tensor")``, vLLM's parallel sizes.
 
 The engine stays one program (JAX's SPMD): the model places its weights on the mesh
-(``ModelRunner.shard``), the caches, block tables and step inputs are one replicated copy in
-manager blocks, and XLA partitions the step from the weights' shardings. Several processes (one
+(``ModelRunner.shard``), the block tables and step inputs are one replicated copy in manager
+blocks, each cache is one copy per device or split by head (``cache_shardings``), and XLA
+partitions the step from those shardings. Several processes (one
 per host) run the same program after ``jax.distributed.initialize()``; ``jax.devices()`` is then
 every process's devices.
 """
@@ -14,7 +15,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["make_mesh", "replicated"]
+__all__ = ["make_mesh", "replicated", "cache_shardings"]
 
 
 def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, devices=None) -> Mesh:
@@ -37,3 +38,15 @@ def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, device
 def replicated(mesh: Mesh | None) -> NamedSharding | None:
   """One full copy on every device of ``mesh`` (None: no mesh)."""
   return None if mesh is None else NamedSharding(mesh, P())
+
+
+def cache_shardings(plan, mesh: Mesh | None) -> dict[str, NamedSharding] | None:
+  """Each backing tensor's placement (None: no mesh): split along its rows' bytes over ``tensor``
+  when the plan splits it (``KVCacheTensor.shards``: KDA states by head), else one copy per device."""
+  if mesh is None:
+    return None
+  for t in plan.tensors:
+    if t.shards > 1 and t.shards != mesh.shape["tensor"]:
+      raise ValueError(f"{t.name} is planned in {t.shards} shards, but the mesh's tensor axis has "
+                       f"{mesh.shape['tensor']} devices; plan with tensor_parallel_size={mesh.shape['tensor']}.")
+  return {t.name: NamedSharding(mesh, P(None, "tensor") if t.shards > 1 else P()) for t in plan.tensors}

@@ -51,13 +51,13 @@ def pinned_host_put(x: jax.Array):
 
 
 def to_device(rows, caches: dict[str, jax.Array]) -> jax.Array:
-  """Host rows (pinned or NumPy) back in the caches' device memory, placed as the caches are
-  (replicated on a mesh; asynchronous)."""
+  """Host rows (pinned or NumPy) back in device memory, one copy on each device the caches are on
+  (asynchronous; ``scatter_blocks`` then writes each device's share of split caches)."""
   sharding = next(iter(caches.values())).sharding
-  if not sharding.is_fully_replicated:
-    raise ValueError(f"host rows go back to replicated caches only, got caches placed as {sharding}.")
   if isinstance(sharding, jax.sharding.NamedSharding):
     sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+  elif not sharding.is_fully_replicated:
+    raise ValueError(f"host rows go back to caches on one device or a mesh, got caches placed as {sharding}.")
   return jax.device_put(rows, sharding.with_memory_kind("device"))
 
 

@@ -50,7 +50,8 @@ def _cache_spec_args(dim: int, cache_dtype: str) -> dict:
   return {"head_size": dim, "dtype": cache_dtype}
 
 
-def get_kv_cache_layers(config: Glm5NextConfig, cache_config: CacheConfig) -> list[KVCacheLayer]:
+def get_kv_cache_layers(config: Glm5NextConfig, cache_config: CacheConfig, *,
+                        tensor_parallel_size: int = 1) -> list[KVCacheLayer]:
   """Every cache of the text tower (and of the MTP layer when drafting), in layer order.
 
   From ``cache_config``: ``block_size`` (token caches), ``kv_cache_dtype`` (MLA latents:
@@ -60,6 +61,11 @@ def get_kv_cache_layers(config: Glm5NextConfig, cache_config: CacheConfig) -> li
   ``num_speculative_tokens`` (MTP drafts per step: adds the MTP layer's own DSA caches, layer index
   ``num_hidden_layers``, widens the tail rings and gives each KDA layer one state slot per draft,
   the rollback of rejected drafts).
+
+  ``tensor_parallel_size``: in the dense layout each KDA layer's state is split by head over the
+  tensor axis (each device's page holds its ``linear_num_heads / tp`` heads' conv windows and
+  states, laid out as one device's page would be); in the packed layout one arena row holds every
+  group's pages, so states stay whole on every device, as the latents and pooled keys do.
   """
   block_size, state_dtype = cache_config.block_size, cache_config.state_dtype
   kv_cache_dtype, indexer_cache_dtype = cache_config.kv_cache_dtype, cache_config.indexer_cache_dtype
@@ -70,7 +76,12 @@ def get_kv_cache_layers(config: Glm5NextConfig, cache_config: CacheConfig) -> li
   kpool = config.index_kpool
   ring = tail_ring_size(kpool, num_speculative_tokens)
   idx_backend = indexer_backend(kpool)
-  conv_width = config.linear_num_heads * config.linear_head_dim
+  tp = tensor_parallel_size
+  shards = tp if cache_config.layout == "dense" else 1
+  if config.linear_num_heads % shards:
+    raise ValueError(f"tensor_parallel_size {tp} must divide linear_num_heads {config.linear_num_heads} to split "
+                     "the KDA states by head.")
+  conv_width = config.linear_num_heads // shards * config.linear_head_dim
   kinds = list(config.layer_types) + (["indexed_attention"] if num_speculative_tokens else [])
   layers: list[KVCacheLayer] = []
   for i, kind in enumerate(kinds):
@@ -97,7 +108,7 @@ def get_kv_cache_layers(config: Glm5NextConfig, cache_config: CacheConfig) -> li
       ))
     else:
       k = config.linear_conv_kernel_dim - 1
-      h, d = config.linear_num_heads, config.linear_head_dim
+      h, d = config.linear_num_heads // shards, config.linear_head_dim
       layers.append(KVCacheLayer(
           f"{prefix}.kda",
           # q, k, v conv windows, then the fp32 delta-rule state.
@@ -105,5 +116,6 @@ def get_kv_cache_layers(config: Glm5NextConfig, cache_config: CacheConfig) -> li
                                    dtypes=(state_dtype,) * 3 + ("float32",),
                                    num_speculative_blocks=num_speculative_tokens),
           KDA_BACKEND,
+          shards,
       ))
   return layers

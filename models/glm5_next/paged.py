@@ -49,17 +49,24 @@ _HP = jax.lax.Precision.HIGHEST
 
 @dataclasses.dataclass(frozen=True)
 class PagedLayout:
-  """The static facts the step needs of a plan: each cache's ``KernelView`` and the cache dtypes."""
+  """The static facts the step needs of a plan: each cache's ``KernelView``, the cache dtypes and
+  the tensors split over the tensor axis (``KVCacheTensor.shards``; their views are one device's)."""
 
   kv_cache_dtype: str
   indexer_cache_dtype: str
   state_dtype: str
   views: tuple[KernelView, ...]
+  split_tensors: tuple[tuple[str, int], ...] = ()
 
   @classmethod
   def from_plan(cls, plan: KVCacheConfig) -> PagedLayout:
     cc = plan.cache_config
-    return cls(cc.kv_cache_dtype, cc.indexer_cache_dtype, cc.state_dtype, plan.views)
+    split = tuple((t.name, t.shards) for t in plan.tensors if t.shards > 1)
+    return cls(cc.kv_cache_dtype, cc.indexer_cache_dtype, cc.state_dtype, plan.views, split)
+
+  def shards(self, tensor: str) -> int:
+    """Devices ``tensor`` is split over (1: one copy per device)."""
+    return dict(self.split_tensors).get(tensor, 1)
 
   def view(self, name: str) -> KernelView:
     for v in self.views:
@@ -78,7 +85,8 @@ def _per_device(attn, fn, args, in_axes, out_axes):
   return sharding.map(fn, args, in_axes, out_axes)
 
 
-def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, state_dtype: str, implementation: str):
+def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, state_dtype: str, implementation: str,
+              shards: int = 1):
   """KDA over the flat batch on each request's state slots (its row of the layer's state group).
 
   A request owns ``S = 1 + num_speculative_tokens`` slots. The step continues from slot
@@ -87,6 +95,9 @@ def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, state_dtype
   after each of the request's last ``S`` tokens in the step to slots ``0 .. S-1`` in order (the
   last token's to slot ``S-1``). After a verify step whose last ``n`` drafts were rejected, the state after the last
   accepted token is in slot ``S-1-n``: the host passes that slot next step, which is the rollback.
+
+  ``shards > 1``: the layer's cache is split by head over the mesh's tensor axis; each device
+  reads and writes its heads' page (``view`` is one device's) where it runs their recurrence.
   """
   h, k, kw = attn.h, attn.k, attn.kw
   c = h * k
@@ -94,16 +105,16 @@ def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, state_dtype
   num_reqs, num_slots = table.shape
   arr = caches[view.tensor]
   sdt = jnp.dtype(state_dtype)
-  conv_bytes = (kw - 1) * 3 * c * sdt.itemsize
-  rec_bytes = h * k * k * 4
-  # The state pages as 32-bit words, read and written as whole contiguous rows (one slice per
-  # request), not byte by byte.
-  words = _as_words(arr)
-  n_conv, off = conv_bytes // 4, view.offset_bytes // 4
-  raw = _read_rows(words, jnp.take_along_axis(table, inputs.state_slots[:, None], axis=1)[:, 0], off,
-                   n_conv + rec_bytes // 4)  # [R, page words]
-  conv = _from_words(raw[:, :n_conv], sdt).reshape(num_reqs, 3, kw - 1, c).transpose(0, 2, 1, 3)  # [R, kw-1, 3, C]
-  rec = jax.lax.bitcast_convert_type(raw[:, n_conv:], jnp.float32).reshape(num_reqs, h, k, k)
+  if shards > 1 and (attn.head_sharding is None or attn.head_sharding.size != shards):
+    raise ValueError(f"{view.layer_name} is split over {shards} devices by head, but the layer runs on "
+                     f"{1 if attn.head_sharding is None else attn.head_sharding.size}; plan the caches with the "
+                     "engine's tensor_parallel_size.")
+  page = _StatePage(view, h // shards, k, kw - 1, sdt)
+  rows = jnp.take_along_axis(table, inputs.state_slots[:, None], axis=1)[:, 0]
+  if shards > 1:
+    conv, rec = attn.head_sharding.map(page.read, (arr, rows), in_axes=(1, None), out_axes=(3, 1))
+  else:
+    conv, rec = page.read(arr, rows)  # [R, kw-1, 3, C], [R, H, K, K]
   # Requests with tokens in this step; one whose first token is position 0 starts from zero state
   # (its block may be recycled and hold another request's bytes).
   req, pos = inputs.req_indices, inputs.positions
@@ -139,13 +150,49 @@ def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, state_dtype
   o, rec_slots = _per_device(attn, kda, args, in_axes=(1, 1, 1, 1, 1, 1, 2, None, None), out_axes=(1, 2))
   y = attn.output(o, x)
   # Write back the slots this step produced.
-  conv_parts = [conv_slots[..., i, :].astype(sdt) for i in range(3)]  # q, k, v windows, as stored
-  new = jnp.concatenate([_to_words(p).reshape(num_reqs, num_slots, -1) for p in conv_parts]
-                        + [_to_words(rec_slots).reshape(num_reqs, num_slots, -1)], axis=2)
-  words = _write_rows(words, jnp.where(written, table, words.shape[0]).reshape(-1), off,
-                      new.reshape(num_reqs * num_slots, -1))
-  caches = {**caches, view.tensor: jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(arr.shape)}
-  return y, caches
+  dest = jnp.where(written, table, arr.shape[0]).reshape(-1)
+  args = (arr, dest, conv_slots.astype(sdt), rec_slots)
+  if shards > 1:
+    arr = attn.head_sharding.map(page.write, args, in_axes=(1, None, 4, 2), out_axes=(1,))
+  else:
+    arr = page.write(*args)
+  return y, {**caches, view.tensor: arr}
+
+
+@dataclasses.dataclass(frozen=True)
+class _StatePage:
+  """One device's KDA page: the q, k, v conv windows ``[3, kw-1, C]`` (state dtype), then the
+  delta-rule state ``[H, K, K]`` (float32), for that device's ``H`` heads (``C = H * K``). Pages
+  are read and written as whole contiguous rows of 32-bit words, one slice per request."""
+
+  view: KernelView
+  heads: int
+  head_dim: int
+  conv_rows: int
+  state_dtype: jnp.dtype
+
+  @property
+  def _conv_words(self) -> int:
+    return self.conv_rows * 3 * self.heads * self.head_dim * self.state_dtype.itemsize // 4
+
+  def read(self, arr, rows):
+    """Conv windows ``[R, kw-1, 3, C]`` and states ``[R, H, K, K]`` of blocks ``rows``."""
+    n_conv, c = self._conv_words, self.heads * self.head_dim
+    raw = _read_rows(_as_words(arr), rows, self.view.offset_bytes // 4, n_conv + self.heads * self.head_dim ** 2)
+    conv = _from_words(raw[:, :n_conv], self.state_dtype).reshape(-1, 3, self.conv_rows, c).transpose(0, 2, 1, 3)
+    rec = jax.lax.bitcast_convert_type(raw[:, n_conv:], jnp.float32).reshape(-1, self.heads, self.head_dim,
+                                                                              self.head_dim)
+    return conv, rec
+
+  def write(self, arr, dest, conv_slots, rec_slots):
+    """``arr`` with slots ``[R, S, kw-1, 3, C]`` / ``[R, S, H, K, K]`` written to blocks ``dest [R * S]``
+    (out of range: not written)."""
+    num_reqs, num_slots = rec_slots.shape[:2]
+    parts = [conv_slots[..., i, :] for i in range(3)] + [rec_slots]  # q, k, v windows, then the state
+    new = jnp.concatenate([_to_words(p).reshape(num_reqs, num_slots, -1) for p in parts], axis=2)
+    words = _write_rows(_as_words(arr), dest, self.view.offset_bytes // 4, new.reshape(num_reqs * num_slots, -1))
+    return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(arr.shape)
+
 
 
 def _as_words(arr):
@@ -253,8 +300,9 @@ def paged_hidden_states(model: Glm5NextForCausalLM, caches: dict[str, jax.Array]
   def attend(i, attn, x, prev_indices):  # x: [1, T, D], the step's tokens as one sequence
     name = f"layers.{i}.self_attn"
     if isinstance(attn, KimiDeltaAttention):
-      y, state["caches"] = _kda_step(attn, x[0], state["caches"], layout.view(f"{name}.kda"), inputs,
-                                     layout.state_dtype, implementation)
+      view = layout.view(f"{name}.kda")
+      y, state["caches"] = _kda_step(attn, x[0], state["caches"], view, inputs, layout.state_dtype, implementation,
+                                     layout.shards(view.tensor))
       return y[None], None
     y, state["caches"], indices = _dsa_step(attn, x[0], state["caches"], layout, name, inputs, prev_indices,
                                             implementation)

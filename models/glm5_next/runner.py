@@ -62,8 +62,8 @@ class Glm5NextRunner:
   def max_model_len(self) -> int:
     return self.config.max_position_embeddings
 
-  def get_kv_cache_layers(self, cache_config: CacheConfig):
-    return get_kv_cache_layers(self.config, cache_config)
+  def get_kv_cache_layers(self, cache_config: CacheConfig, *, tensor_parallel_size: int = 1):
+    return get_kv_cache_layers(self.config, cache_config, tensor_parallel_size=tensor_parallel_size)
 
   def shard(self, mesh, *, expert_parallel: bool = False) -> Glm5NextRunner:
     """This model on ``mesh`` (axes ``("data", "tensor")``): the weights placed by
@@ -142,9 +142,10 @@ class _Family:
                  data_parallel_size: int = 1, expert_parallel: bool = False) -> dict:
     """What one device of a ``data x tensor`` mesh holds (``jaxkv inspect --tensor-parallel-size``).
 
-    Weights split as ``models.glm5_next.sharding`` says; KDA states split by head over the tensor
-    axis, MLA latents, pooled indexer keys and tail rings replicated; ``cache_config.memory_bytes``
-    is each device's cache budget (each data-parallel replica serves its own requests).
+    Weights split as ``models.glm5_next.sharding`` says; the caches as the engine places them
+    (``get_kv_cache_layers``: KDA states split by head over the tensor axis in the dense layout,
+    everything else one copy per device); ``cache_config.memory_bytes`` is each device's cache
+    budget (each data-parallel replica serves its own requests).
 
     Returns ``{"weight_bytes_bf16", "weight_bytes_fp8", "plan"}``; the plan is one device's.
     """
@@ -154,10 +155,9 @@ class _Family:
     shapes = [(".".join(map(str, k)), tuple(v.get_value().shape), v.get_value().dtype.itemsize)
               for k, v in nnx.to_flat_state(nnx.state(abstract))]
     kw = dict(tensor_parallel_size=tp, data_parallel_size=dp, expert_parallel=expert_parallel)
-    local = dataclasses.replace(config, linear_num_heads=config.linear_num_heads // tp)
     return {"weight_bytes_bf16": per_device_weight_bytes(shapes, weight_format="bf16", **kw),
             "weight_bytes_fp8": per_device_weight_bytes(shapes, weight_format="fp8", **kw),
-            "plan": plan_kv_cache(get_kv_cache_layers(local, cache_config), cache_config)}
+            "plan": plan_kv_cache(get_kv_cache_layers(config, cache_config, tensor_parallel_size=tp), cache_config)}
 
   @staticmethod
   def describe(config: Glm5NextConfig, cache_config: CacheConfig) -> str:
