@@ -91,7 +91,13 @@ def test_inspect_prints_one_device(capsys):
   assert d["devices"] == 8 and d["weight_bytes_fp8"] < d["weight_bytes_bf16"] < 100 << 30
   assert d["total_bytes_bf16"] == d["weight_bytes_bf16"] + d["kv_cache_bytes"]
   assert main(args) == 0
-  assert "Per device, 8 devices (tensor 8 x data 1, expert parallel on)" in capsys.readouterr().out
+  text = capsys.readouterr().out
+  assert "Per device, 8 devices (tensor 8 x data 1, expert parallel on)" in text
+  assert "every cache whole on each device" in text and "split 8 ways" not in text
+  assert main(args + ["--layout", "dense"]) == 0
+  text = capsys.readouterr().out
+  assert "layers.0.self_attn.kda uint8[1413, 542720] per device (split 8 ways by head)" in text
+  assert "KDA states split by head, latents and pooled keys whole" in text
   assert main(["inspect", "--tensor-parallel-size", "3"]) == 2
   assert "--tensor-parallel-size 3 must divide" in capsys.readouterr().err
 
