@@ -194,7 +194,6 @@ class _StatePage:
     return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(arr.shape)
 
 
-
 def _as_words(arr):
   """A uint8 ``[N, B]`` backing array as uint32 ``[N, B / 4]`` (a free bitcast inside jit)."""
   return jax.lax.bitcast_convert_type(arr.reshape(arr.shape[0], -1, 4), jnp.uint32)
