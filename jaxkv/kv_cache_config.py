@@ -199,12 +199,10 @@ class KVCacheConfig:
   def allocate(self, shardings: Mapping[str, jax.sharding.Sharding] | None = None) -> dict[str, jax.Array]:
     """Zeroed backing arrays, keyed by tensor name; ``shardings`` (by name) places each one,
     zeroed on each device in place (a split tensor is never whole on one device)."""
-    out = {}
-    for t in self.tensors:
-      shape = t.shape_dtype().shape
-      sharding = None if shardings is None else shardings[t.name]
-      out[t.name] = jax.jit(lambda shape=shape: jnp.zeros(shape, jnp.uint8), out_shardings=sharding)()
-    return out
+    shapes = {t.name: t.shape_dtype().shape for t in self.tensors}
+    zeros = jax.jit(lambda: {name: jnp.zeros(shape, jnp.uint8) for name, shape in shapes.items()},
+                    out_shardings=None if shardings is None else dict(shardings))
+    return zeros()  # one compilation for every tensor
 
   def init_kernel_block_tables(self, max_num_reqs: int) -> tuple[jax.Array | None, ...]:
     """Each attention group's persistent kernel-block table (None where the group has no split)."""

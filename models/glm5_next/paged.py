@@ -110,11 +110,11 @@ def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, state_dtype
                      f"{1 if attn.head_sharding is None else attn.head_sharding.size}; plan the caches with the "
                      "engine's tensor_parallel_size.")
   page = _StatePage(view, h // shards, k, kw - 1, sdt)
+  # Split pages are read and written on each device (its heads' bytes); whole ones where they are.
+  on_pages = lambda fn, args, in_axes, out_axes: (attn.head_sharding.map(fn, args, in_axes, out_axes) if shards > 1
+                                                  else fn(*args))
   rows = jnp.take_along_axis(table, inputs.state_slots[:, None], axis=1)[:, 0]
-  if shards > 1:
-    conv, rec = attn.head_sharding.map(page.read, (arr, rows), in_axes=(1, None), out_axes=(3, 1))
-  else:
-    conv, rec = page.read(arr, rows)  # [R, kw-1, 3, C], [R, H, K, K]
+  conv, rec = on_pages(page.read, (arr, rows), (1, None), (3, 1))  # [R, kw-1, 3, C], [R, H, K, K]
   # Requests with tokens in this step; one whose first token is position 0 starts from zero state
   # (its block may be recycled and hold another request's bytes).
   req, pos = inputs.req_indices, inputs.positions
@@ -151,11 +151,7 @@ def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, state_dtype
   y = attn.output(o, x)
   # Write back the slots this step produced.
   dest = jnp.where(written, table, arr.shape[0]).reshape(-1)
-  args = (arr, dest, conv_slots.astype(sdt), rec_slots)
-  if shards > 1:
-    arr = attn.head_sharding.map(page.write, args, in_axes=(1, None, 4, 2), out_axes=(1,))
-  else:
-    arr = page.write(*args)
+  arr = on_pages(page.write, (arr, dest, conv_slots.astype(sdt), rec_slots), (1, None, 4, 2), (1,))
   return y, {**caches, view.tensor: arr}
 
 
