@@ -126,7 +126,18 @@ def test_padded_pages_cannot_be_split():
 
 
 def test_tail_ring_size():
-  assert [tail_ring_size(4, s) for s in (0, 1, 2, 3, 4, 5)] == [4, 8, 8, 8, 8, 12]
+  # vLLM 0.33.0: kpool * next_pow2(cdiv(kpool + num_spec, kpool)).
+  assert [tail_ring_size(4, s) for s in (0, 1, 4, 5, 7, 12, 13)] == [4, 8, 8, 16, 16, 16, 32]
+  assert [tail_ring_size(16, s) for s in (0, 3, 17)] == [16, 32, 64]
+
+
+@pytest.mark.parametrize("block_size", [640, 1024])
+@pytest.mark.parametrize("num_spec", [5, 7])
+def test_glm_plans_with_five_to_seven_drafts(block_size, num_spec):
+  """A ring of 16 divides 640 and 1024 (a ring of 12 did not, and the planner refused them)."""
+  plan = glm_plan(block_size=block_size, num_speculative_tokens=num_spec)
+  tail = [g for g in plan.kv_cache_groups if isinstance(g.kv_cache_spec, CircularBufferSpec)]
+  assert tail[0].kv_cache_spec.block_size == 16
 
 
 def test_tiny_plan_allocates_and_binds_real_arrays():

@@ -10,7 +10,7 @@ from __future__ import annotations
 from jaxkv.attention_backend import AttentionBackend
 from jaxkv.kv_cache_config import CACHE_DTYPES, CacheConfig, KVCacheLayer
 from jaxkv.kv_cache_spec import CircularBufferSpec, LinearAttentionStateSpec, MLAAttentionSpec, MultipleOf
-from jaxkv.utils import cdiv
+from jaxkv.utils import cdiv, next_power_of_2
 from models.glm5_next.config import Glm5NextConfig
 from pallas_kernels.cache_write import entry_bytes
 
@@ -37,8 +37,13 @@ def indexer_backend(kpool: int) -> AttentionBackend:
 
 
 def tail_ring_size(kpool: int, num_speculative_tokens: int = 0) -> int:
-  """Ring slots: room for a rejected pool-completing draft without overwriting what its redo reads."""
-  return kpool * cdiv(kpool + num_speculative_tokens, kpool)
+  """Ring slots, as vLLM 0.33.0 sizes them: ``kpool * next_pow2(cdiv(kpool + num_spec, kpool))``.
+
+  Room for a rejected pool-completing draft without overwriting what its redo reads, rounded to a
+  power of two pools so that the ring divides every power-of-two block size (kpool 4: no drafts
+  4, 1-4 drafts 8, 5-12 drafts 16).
+  """
+  return kpool * next_power_of_2(cdiv(kpool + num_speculative_tokens, kpool))
 
 
 def _cache_spec_args(dim: int, cache_dtype: str) -> dict:
