@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import jax
 import jax.numpy as jnp
 # Registers Pallas's fuser config in JAX's tracing context now: imported lazily by the first
@@ -45,6 +48,37 @@ def gpu_kernel_implementation(implementation: str) -> str:
 def default_interpret(interpret: bool | None) -> bool:
   """Pallas GPU kernels run in interpret mode on the CPU (CI), compiled on a GPU."""
   return jax.default_backend() == "cpu" if interpret is None else interpret
+
+
+# Shared memory every CUDA device gives one block without opting in: the budget when the driver
+# cannot be asked.
+_DEFAULT_SHARED_MEMORY = 48 * 1024
+# cuDeviceGetAttribute's CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: what Triton sizes
+# kernels against (232,448 bytes on an H100/H200, 166,912 on an A100, 101,376 on sm_86/89/120).
+_CU_ATTR_SMEM_PER_BLOCK_OPTIN = 97
+
+
+@functools.cache
+def _cuda_shared_memory(ordinal: int) -> int | None:
+  try:
+    cuda = ctypes.CDLL("libcuda.so.1")
+    dev, value = ctypes.c_int(), ctypes.c_int()
+    if (cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(dev), ordinal)
+        or cuda.cuDeviceGetAttribute(ctypes.byref(value), _CU_ATTR_SMEM_PER_BLOCK_OPTIN, dev)):
+      return None
+    return value.value
+  except (OSError, AttributeError):
+    return None
+
+
+def device_shared_memory_bytes(device: jax.Device | None = None) -> int | None:
+  """Shared memory one program of a compiled Pallas (Triton) kernel may use on ``device`` (default:
+  the first local device), asked of the CUDA driver; None off a GPU (interpret mode has no limit).
+  48 KiB, which every CUDA device gives, when the driver cannot be asked."""
+  device = device or jax.local_devices()[0]
+  if device.platform != "gpu":
+    return None
+  return _cuda_shared_memory(device.local_hardware_id or 0) or _DEFAULT_SHARED_MEMORY
 
 
 def check_byte_addressable(array: jax.Array, name: str, interpret: bool) -> None:

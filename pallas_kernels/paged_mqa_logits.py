@@ -29,11 +29,12 @@ from pallas_kernels._common import (
     check_byte_addressable,
     check_implementation,
     default_interpret,
+    device_shared_memory_bytes,
     without_ref,
 )
 from pallas_kernels.kpool import INDEXER_CACHE_DTYPES, indexer_page_bytes, read_indexer_entries
 
-__all__ = ["paged_mqa_logits", "paged_mqa_logits_reference"]
+__all__ = ["paged_mqa_logits", "paged_mqa_logits_reference", "paged_mqa_logits_stages"]
 
 
 def _paged_mqa_logits_kernel(q_ref, w_ref, ctx_ref, kt_ref, values_ref, scales_ref, out_ref, *,
@@ -83,6 +84,30 @@ def _paged_mqa_logits_kernel(q_ref, w_ref, ctx_ref, kt_ref, values_ref, scales_r
   live = jnp.minimum((live + p - 1) // p, pages_per_program)
   jax.lax.fori_loop(0, live, body, 0)
   jax.lax.fori_loop(live, pages_per_program, fill, 0)
+
+
+def paged_mqa_logits_stages(heads: int, next_n: int, head_dim: int, states_per_page: int, cache_dtype: str,
+                            shared_memory_bytes: int | None, num_stages: int = 3) -> int:
+  """Pipeline stages (at most ``num_stages``) whose shared memory fits ``shared_memory_bytes``
+  (None: no limit): each stage holds one page ``[P, D]`` of keys in the dot dtype (float32 for
+  float32 keys, else bf16); the ``next_n`` queries ``[H, D]`` and the scores ``[H, P]`` (float32)
+  are held once, with 1 KiB of Triton's own. Stages change no arithmetic, only how far the page
+  loads run ahead.
+
+  Raises:
+    ValueError: when not even one stage fits (use the XLA path).
+  """
+  item = 4 if cache_dtype == "float32" else 2
+  hp = max(MIN_DOT_ROWS, pl.next_power_of_2(heads))
+  fixed = next_n * hp * head_dim * item + hp * states_per_page * 4 + 1024
+  for stages in range(num_stages, 0, -1):
+    need = stages * states_per_page * head_dim * item + fixed
+    if shared_memory_bytes is None or need <= shared_memory_bytes:
+      return stages
+  raise ValueError(f"paged_mqa_logits: {next_n} query rows of {heads} heads x {head_dim} {cache_dtype} channels over "
+                   f"{states_per_page}-entry pages need {need:,} bytes of shared memory, more than the "
+                   f"{shared_memory_bytes:,} this device gives one program; run it with implementation='xla' "
+                   "(--implementation xla) or a narrower --indexer-cache-dtype.")
 
 
 def _validate(q, pages, weights, context_lens, kernel_block_table, view: KernelView, cache_dtype):
@@ -145,7 +170,8 @@ def paged_mqa_logits(
     cache_dtype: ``"fp8"``, ``"bfloat16"`` or ``"float32"``.
     pages_per_program: pages per program (None: enough programs to fill the GPU, at most 8 pages
       each, so batch 1 spreads its context over the SMs).
-    num_warps, num_stages: Triton's launch knobs (``benchmarks/kernels.py`` sweeps these). One
+    num_warps, num_stages: Triton's launch knobs (``benchmarks/kernels.py`` sweeps these; the stages
+      are lowered to what the device's shared memory holds, ``paged_mqa_logits_stages``). One
       setting for every batch: the head sum is split over the warps, so a request's logits would
       otherwise depend on the batch it runs in (docs/kernels.md, lease I).
   """
@@ -156,6 +182,9 @@ def paged_mqa_logits(
                                       cache_dtype=cache_dtype)
   b, next_n, h, d = q.shape
   p = view.entries_per_page
+  interpret = default_interpret(interpret)
+  if num_stages is not None and not interpret:
+    num_stages = paged_mqa_logits_stages(h, next_n, d, p, cache_dtype, device_shared_memory_bytes(), num_stages)
   # Zero heads (zero weights) up to Triton's smallest dot tile: no effect on the sum.
   hp = max(MIN_DOT_ROWS, pl.next_power_of_2(h))
   if hp != h:
@@ -165,7 +194,7 @@ def paged_mqa_logits(
   # Free typed views of the same bytes (no copy inside jit): values as [rows, page_bytes / D, D], so
   # a page's P entries are one 2-D block; fp8 scales as float32 words.
   if cache_dtype == "fp8":
-    check_byte_addressable(rows, f"the indexer cache array of {view.layer_name}", default_interpret(interpret))
+    check_byte_addressable(rows, f"the indexer cache array of {view.layer_name}", interpret)
     values = jax.lax.bitcast_convert_type(rows, FP8_DTYPE).reshape(rows.shape[0], -1, d)
     scales = jax.lax.bitcast_convert_type(rows.reshape(rows.shape[0], -1, 4), jnp.float32)
   else:
@@ -195,7 +224,7 @@ def paged_mqa_logits(
       grid=(b, num_chunks),
       in_specs=[any_spec] * len(operands),
       out_specs=any_spec,
-      interpret=default_interpret(interpret),
+      interpret=interpret,
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       name="paged_mqa_logits",
   )(*operands)

@@ -35,11 +35,16 @@ from pallas_kernels._common import (
     check_byte_addressable,
     check_implementation,
     default_interpret,
+    device_shared_memory_bytes,
     without_ref,
 )
 from pallas_kernels.cache_write import decode_entries, entry_bytes
 
-__all__ = ["sparse_mla_decode", "sparse_mla_decode_reference"]
+__all__ = ["sparse_mla_decode", "sparse_mla_decode_reference", "sparse_mla_decode_tiles", "sparse_mla_shared_memory"]
+
+# Tiles tried largest first: (block_h, block_k). The token tile shrinks first: every head tile
+# reads the selected rows again, so a smaller head tile costs bandwidth, a smaller token tile not.
+_TILES = ((64, 64), (64, 32), (64, 16), (32, 16), (16, 16))
 
 
 def _token_rows(block_table, req, tok, *, view: KernelView, entry_bytes_: int):
@@ -114,6 +119,36 @@ def _combine_splits(acc, m, s_sum):
   return jnp.sum(w[..., None] * acc, axis=1) / jnp.where(denom == 0, 1.0, denom)[..., None]
 
 
+def sparse_mla_shared_memory(block_h: int, block_k: int, latent_dim: int, cache_dtype: str) -> int:
+  """Shared memory (bytes) one program asks for: both dot operands, the queries ``[BH, L]`` and
+  the selected rows ``[BK, L]`` in the dot dtype (float32 for float32 latents, else bf16), the
+  probabilities ``[BH, BK]`` in float32, and 1 KiB of Triton's own. On the H200, float32 latents
+  of 512 at 64 x 64 asked for exactly this (279,552 bytes, over its 232,448)."""
+  item = 4 if cache_dtype == "float32" else 2
+  return (block_h + block_k) * latent_dim * item + block_h * block_k * 4 + 1024
+
+
+def sparse_mla_decode_tiles(heads: int, latent_dim: int, cache_dtype: str,
+                            shared_memory_bytes: int | None) -> tuple[int, int]:
+  """``(block_h, block_k)`` for ``heads`` query heads: the largest of ``_TILES`` whose shared
+  memory fits ``shared_memory_bytes`` (None: no limit, interpret mode).
+
+  Raises:
+    ValueError: when not even 16 x 16 tiles fit (the kernel cannot run on this device: use the
+      XLA path).
+  """
+  hp = max(MIN_DOT_ROWS, pl.next_power_of_2(heads))
+  for block_h, block_k in _TILES:
+    block_h = min(block_h, hp)
+    need = sparse_mla_shared_memory(block_h, block_k, latent_dim, cache_dtype)
+    if shared_memory_bytes is None or need <= shared_memory_bytes:
+      return block_h, block_k
+  raise ValueError(f"sparse_mla_decode: {cache_dtype} latents of {latent_dim} need {need:,} bytes of shared memory "
+                   f"at the smallest tiles (16 x 16), more than the {shared_memory_bytes:,} this device gives one "
+                   "program; run it with implementation='xla' (--implementation xla) or a narrower "
+                   "--kv-cache-dtype.")
+
+
 def _validate(q, cache, token_indices, req_indices, block_table, *, view: KernelView, cache_dtype):
   block_size, tokens_per_row, page_offset_bytes = view.block_size, view.tokens_per_row, view.offset_bytes
   if q.ndim != 3:
@@ -156,8 +191,8 @@ def sparse_mla_decode(
     view: KernelView,
     cache_dtype: str = "bfloat16",
     sm_scale: float,
-    block_k: int = 64,
-    block_h: int = 64,
+    block_k: int | None = None,
+    block_h: int | None = None,
     num_splits: int | None = None,
     num_warps: int | None = 8,
     num_stages: int | None = None,
@@ -175,9 +210,11 @@ def sparse_mla_decode(
     view: the latent layer's ``KernelView`` (manager block size, entries per row, page offset).
     cache_dtype: ``"bfloat16"``, ``"float32"`` or ``"fp8"``.
     sm_scale: softmax scale.
-    block_k, block_h, num_splits, num_warps, num_stages: tiles of selected tokens and heads, splits
-      of the selected tokens over programs (flash-decoding; None: enough to fill the GPU), and
-      Triton's launch knobs (tuning; ``benchmarks/kernels.py`` sweeps them).
+    block_k, block_h: tiles of selected tokens and heads (None: ``sparse_mla_decode_tiles`` for the
+      entry size and the device's shared memory; 64 x 64 for bf16 and fp8 latents).
+    num_splits, num_warps, num_stages: splits of the selected tokens over programs
+      (flash-decoding; None: enough to fill the GPU), and Triton's launch knobs (tuning;
+      ``benchmarks/kernels.py`` sweeps them).
   """
   check_implementation(implementation)
   _validate(q, cache, token_indices, req_indices, block_table, view=view, cache_dtype=cache_dtype)
@@ -185,6 +222,11 @@ def sparse_mla_decode(
   if implementation == "xla":
     return sparse_mla_decode_reference(q, cache, token_indices, req_indices, block_table, **kw)
   t, h, l = q.shape
+  interpret = default_interpret(interpret)
+  if block_h is None or block_k is None:
+    smem = None if interpret else device_shared_memory_bytes()
+    tile_h, tile_k = sparse_mla_decode_tiles(h, l, cache_dtype, smem)
+    block_h, block_k = block_h or tile_h, block_k or tile_k
   hp = max(MIN_DOT_ROWS, pl.next_power_of_2(h))
   bh = min(block_h, hp)
   if hp != h:
@@ -215,7 +257,7 @@ def sparse_mla_decode(
   cache = cache.reshape(-1, view.row_bytes)
   n = cache.shape[0]
   if cache_dtype == "fp8":
-    check_byte_addressable(cache, f"the latent cache array of {view.layer_name}", default_interpret(interpret))
+    check_byte_addressable(cache, f"the latent cache array of {view.layer_name}", interpret)
     values = jax.lax.bitcast_convert_type(cache, FP8_DTYPE)
     scales = jax.lax.bitcast_convert_type(cache.reshape(n, -1, 4), jnp.float32)
   else:
@@ -237,7 +279,7 @@ def sparse_mla_decode(
       grid=(t, hp // bh, num_splits),
       in_specs=[any_spec] * len(operands),
       out_specs=(any_spec, any_spec, any_spec),
-      interpret=default_interpret(interpret),
+      interpret=interpret,
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       name="sparse_mla_decode",
   )(*operands)

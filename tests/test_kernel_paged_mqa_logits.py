@@ -7,7 +7,7 @@ import pytest
 from jaxkv import KernelView, round_up
 from pallas_kernels._common import quantize_fp8_pow2, value_bytes
 from pallas_kernels.kpool import indexer_page_bytes
-from pallas_kernels.paged_mqa_logits import paged_mqa_logits
+from pallas_kernels.paged_mqa_logits import paged_mqa_logits, paged_mqa_logits_stages
 
 
 def make_pages(rng, num_pages, p, d, cache_dtype, lead_bytes=0):
@@ -107,3 +107,15 @@ def test_unsplit_layer_of_a_packed_row(cache_dtype):
     for out in got.values():
       np.testing.assert_allclose(out[i, : ctx[i, 0]], want[: ctx[i, 0]], rtol=2e-2, atol=2e-2 * np.abs(want).max())
       assert np.isneginf(out[i, ctx[i, 0]:]).all()
+
+
+def test_stages_follow_entry_size_and_shared_memory():
+  # The released indexer (32 heads x 128, 64-entry pages): three stages fit the H200 in any dtype.
+  for dtype in ("fp8", "bfloat16", "float32"):
+    assert paged_mqa_logits_stages(32, 1, 128, 64, dtype, 232_448) == 3
+  assert paged_mqa_logits_stages(32, 1, 128, 64, "float32", None) == 3
+  # A 64 KiB program: float32 keys keep one stage (32 KiB pages + 16 KiB queries + 8 KiB scores).
+  assert paged_mqa_logits_stages(32, 1, 128, 64, "float32", 65_536) == 1
+  assert paged_mqa_logits_stages(32, 1, 128, 64, "bfloat16", 65_536) == 2
+  with pytest.raises(ValueError, match=r"paged_mqa_logits: 1 query rows of 32 heads x 128 float32 .* 49,152"):
+    paged_mqa_logits_stages(32, 1, 128, 64, "float32", 49_152)

@@ -7,7 +7,7 @@ import pytest
 from jaxkv import KernelView
 from kernel_utils import build_batch, random_tables, slots_for, tiny_plan
 from pallas_kernels.cache_write import decode_entries, encode_entries, write_to_paged_cache
-from pallas_kernels.sparse_mla_decode import sparse_mla_decode
+from pallas_kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_tiles, sparse_mla_shared_memory
 
 
 @pytest.mark.parametrize("layout", ["dense", "packed"])
@@ -46,6 +46,8 @@ def test_sparse_mla_decode(layout, cache_dtype, rank):
   args = (jnp.asarray(q), cache, jnp.asarray(idx), jnp.asarray(reqs), table)
   got = np.asarray(sparse_mla_decode(*args, **kw, implementation="pallas", block_k=16))
   ref = np.asarray(sparse_mla_decode(*args, **kw, implementation="xla"))
+  # The default tiles too (64 tokens, the selected rows of a query in one tile).
+  default_tiles = [np.asarray(sparse_mla_decode(*args, **kw, implementation="pallas"))] if layout == "dense" else []
   want = np.zeros_like(got, np.float64)
   for i, r in enumerate(reqs):
     sel = idx[i][idx[i] >= 0]
@@ -56,7 +58,7 @@ def test_sparse_mla_decode(layout, cache_dtype, rank):
     p = np.exp(s - s.max(-1, keepdims=True))
     want[i] = (p / p.sum(-1, keepdims=True)) @ c
   tol = 1e-5 if cache_dtype == "float32" else 3e-2
-  for out in (got, ref):
+  for out in (got, ref, *default_tiles):
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, want, rtol=tol, atol=tol)
   assert not got[0].any() and not got[-1].any()  # nothing selected -> zeros, not NaN
@@ -71,3 +73,24 @@ def test_validation():
     sparse_mla_decode(jnp.zeros((2, 4, 160), jnp.float32), jnp.zeros((4, 64 * 64), jnp.uint8), jnp.zeros((2, 8), jnp.int32), jnp.zeros(2, jnp.int32),
                       jnp.zeros((2, 2), jnp.int32), view=KernelView.for_rows(64 * 64, tokens_per_row=64), sm_scale=1.0,
                       cache_dtype="fp8")
+
+
+H200_SHARED_MEMORY = 232_448  # cuDeviceGetAttribute(MAX_SHARED_MEMORY_PER_BLOCK_OPTIN) on the H200
+
+
+def test_tiles_follow_entry_size_and_shared_memory():
+  # The released model's latent (512) at 64 heads: float32 64 x 64 tiles asked the H200 for 279,552
+  # bytes (RESOURCE_EXHAUSTED in the first step); the estimate is exactly that.
+  assert sparse_mla_shared_memory(64, 64, 512, "float32") == 279_552
+  assert sparse_mla_decode_tiles(64, 512, "bfloat16", H200_SHARED_MEMORY) == (64, 64)
+  assert sparse_mla_decode_tiles(64, 512, "fp8", H200_SHARED_MEMORY) == (64, 64)
+  assert sparse_mla_decode_tiles(64, 512, "float32", H200_SHARED_MEMORY) == (64, 32)  # the token tile shrinks first
+  assert sparse_mla_decode_tiles(64, 512, "float32", None) == (64, 64)  # interpret mode: no limit
+  assert sparse_mla_decode_tiles(4, 512, "float32", None) == (16, 64)  # head tile at most the padded heads
+  for smem in (101_376, 166_912, H200_SHARED_MEMORY):  # sm_86/89/120, A100, H100/H200
+    for dtype in ("float32", "bfloat16", "fp8"):
+      bh, bk = sparse_mla_decode_tiles(64, 512, dtype, smem)
+      assert sparse_mla_shared_memory(bh, bk, 512, dtype) <= smem
+  assert sparse_mla_decode_tiles(64, 512, "float32", 101_376) == (32, 16)
+  with pytest.raises(ValueError, match=r"float32 latents of 512 need 67,584 bytes .* than the 49,152 .*--implementation xla"):
+    sparse_mla_decode_tiles(64, 512, "float32", 49_152)

@@ -2,6 +2,7 @@
 forward: whole prefill = chunked prefill split mid-pool = token-by-token decode, several requests
 per step, dense and packed layouts, XLA and Pallas (interpret) kernels."""
 
+import dataclasses
 import functools
 
 import jax
@@ -14,7 +15,7 @@ from jaxkv import StepInputs, StepMetadataSpec
 from pallas_kernels import compute_step_metadata
 from kernel_utils import random_tables, tiny_plan
 from models.glm5_next import Glm5NextForCausalLM, get_config
-from models.glm5_next.paged import PagedLayout, paged_forward, paged_hidden_states, paged_mtp_forward
+from models.glm5_next.paged import PagedLayout, kernel_fallbacks, paged_forward, paged_hidden_states, paged_mtp_forward
 
 CFG = get_config("glm-5.3-flash-tiny")
 NUM_TOKENS = 32  # one bucket for every step
@@ -161,3 +162,16 @@ def test_mtp_layer_paged_equals_reference(model):
   hidden = model.hidden_states(jnp.asarray([ids]))[:, :22]
   want = model.mtp(hidden, model.embed_tokens[...][jnp.asarray([ids[1:]])], jnp.arange(22)[None])[0][0]
   np.testing.assert_allclose(np.concatenate(got), np.asarray(want), atol=5e-5, rtol=0)
+
+
+def test_kernels_without_tiles_run_their_xla_path():
+  """A kernel with no tiles that fit the device's shared memory runs its XLA path (said at start-up)."""
+  cfg, plan = tiny_plan(layout="packed", kv_cache_dtype="float32", block_size=256)
+  layout = PagedLayout.from_plan(plan)
+  assert kernel_fallbacks(cfg, layout, None) == {} and kernel_fallbacks(cfg, layout, 232_448) == {}
+  small = kernel_fallbacks(cfg, layout, 4_096)  # tiny dims: 16 x 16 float32 tiles of 32 latents need 5,120 B
+  assert sorted(small) == ["paged_mqa_logits", "sparse_mla_decode"]
+  assert "--implementation xla" in small["sparse_mla_decode"]
+  fallback = dataclasses.replace(layout, xla_kernels=tuple(small))
+  assert fallback.implementation("sparse_mla_decode", "pallas") == "xla"
+  assert layout.implementation("sparse_mla_decode", "pallas") == "pallas"

@@ -33,36 +33,44 @@ from jaxtyping import Array, Float, Int
 from jaxkv.kernel_view import KernelView
 from jaxkv.kv_cache_config import KVCacheConfig
 from jaxkv.step_inputs import StepInputs
+from models.glm5_next.config import Glm5NextConfig
 from models.glm5_next.model import Glm5NextForCausalLM, KimiDeltaAttention
 from pallas_kernels.cache_write import encode_entries, write_to_paged_cache
 from pallas_kernels._common import gpu_kernel_implementation
 from pallas_kernels.kda_recurrence import fused_recurrent_kda
 from pallas_kernels.kpool import kpool_compress_and_write
-from pallas_kernels.paged_mqa_logits import paged_mqa_logits
-from pallas_kernels.sparse_mla_decode import sparse_mla_decode
+from pallas_kernels.paged_mqa_logits import paged_mqa_logits, paged_mqa_logits_stages
+from pallas_kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_tiles
 from pallas_kernels.topk_selection import select_topk_tokens
 
-__all__ = ["PagedLayout", "paged_forward", "paged_hidden_states", "paged_mtp_forward"]
+__all__ = ["PagedLayout", "kernel_fallbacks", "paged_forward", "paged_hidden_states", "paged_mtp_forward"]
 
 _HP = jax.lax.Precision.HIGHEST
 
 
 @dataclasses.dataclass(frozen=True)
 class PagedLayout:
-  """The static facts the step needs of a plan: each cache's ``KernelView``, the cache dtypes and
-  the tensors split over the tensor axis (``KVCacheTensor.shards``; their views are one device's)."""
+  """The static facts the step needs of a plan: each cache's ``KernelView``, the cache dtypes, the
+  tensors split over the tensor axis (``KVCacheTensor.shards``; their views are one device's) and
+  the attention kernels that run their XLA path on this device (``xla_kernels``: no tiles of
+  theirs fit its shared memory, ``kernel_fallbacks``)."""
 
   kv_cache_dtype: str
   indexer_cache_dtype: str
   state_dtype: str
   views: tuple[KernelView, ...]
   split_tensors: tuple[tuple[str, int], ...] = ()
+  xla_kernels: tuple[str, ...] = ()
 
   @classmethod
   def from_plan(cls, plan: KVCacheConfig) -> PagedLayout:
     cc = plan.cache_config
     split = tuple((t.name, t.shards) for t in plan.tensors if t.shards > 1)
     return cls(cc.kv_cache_dtype, cc.indexer_cache_dtype, cc.state_dtype, plan.views, split)
+
+  def implementation(self, kernel: str, implementation: str) -> str:
+    """``kernel``'s path under the step's switch: ``"xla"`` where it cannot run as a kernel here."""
+    return "xla" if kernel in self.xla_kernels else implementation
 
   def shards(self, tensor: str) -> int:
     """Devices ``tensor`` is split over (1: one copy per device)."""
@@ -73,6 +81,27 @@ class PagedLayout:
       if v.layer_name == name:
         return v
     raise KeyError(f"no cache {name!r} in the plan")
+
+
+def kernel_fallbacks(config: Glm5NextConfig, layout: PagedLayout, shared_memory_bytes: int | None) -> dict[str, str]:
+  """The attention kernels that cannot run compiled with ``shared_memory_bytes`` per program (None:
+  no limit), each with the reason (its tile check's message): ``{kernel: reason}``."""
+  pages = [v.entries_per_page for v in layout.views if v.layer_name.endswith(".indexer")]
+  if not pages:
+    return {}
+  checks = {
+      "sparse_mla_decode": lambda: sparse_mla_decode_tiles(config.num_attention_heads, config.kv_lora_rank,
+                                                           layout.kv_cache_dtype, shared_memory_bytes),
+      "paged_mqa_logits": lambda: paged_mqa_logits_stages(config.index_n_heads, 1, config.index_head_dim, max(pages),
+                                                          layout.indexer_cache_dtype, shared_memory_bytes),
+  }
+  out = {}
+  for kernel, check in checks.items():
+    try:
+      check()
+    except ValueError as e:
+      out[kernel] = str(e)
+  return out
 
 
 def _per_device(attn, fn, args, in_axes, out_axes):
@@ -259,7 +288,7 @@ def _dsa_step(attn, x, caches, layout: PagedLayout, name: str, inputs: StepInput
     # Rows are independent and summed over all heads: on a mesh each device scores its share of the
     # step's tokens (the head sum stays whole, so each row's arithmetic is the single-device one).
     mqa = functools.partial(paged_mqa_logits, view=idx, cache_dtype=layout.indexer_cache_dtype,
-                            implementation=implementation)
+                            implementation=layout.implementation("paged_mqa_logits", implementation))
     args = (q_in[:, None], caches[idx.tensor], w * ind.k ** -0.5, ((pos + 1) // ind.kpool)[:, None], kt[rows])
     logits = _per_device(attn, mqa, args, in_axes=(0, None, 0, 0, 0), out_axes=(0,))
     indices = select_topk_tokens(logits, pos + 1, kpool=ind.kpool, index_topk=ind.topk)
@@ -271,7 +300,7 @@ def _dsa_step(attn, x, caches, layout: PagedLayout, name: str, inputs: StepInput
   q = attn.q_b_proj(q_resid).reshape(t, attn.h, attn.dk)
   q_lat = jnp.einsum("thk,hkl->thl", q, w_kvb[:, : attn.dk].astype(q.dtype), precision=_HP)
   decode = functools.partial(sparse_mla_decode, view=mla, cache_dtype=layout.kv_cache_dtype, sm_scale=attn.dk ** -0.5,
-                             implementation=implementation)
+                             implementation=layout.implementation("sparse_mla_decode", implementation))
   args = (q_lat.astype(jnp.float32), caches[mla.tensor], indices, req, table)
   o_lat = _per_device(attn, decode, args, in_axes=(1, None, None, None, None), out_axes=(1,))
   o = jnp.einsum("thl,hvl->thv", o_lat.astype(x.dtype), w_kvb[:, attn.dk:].astype(x.dtype), precision=_HP)

@@ -8,6 +8,7 @@ the engine's registry finds under ``"glm5_next"`` (configs, checkpoints, random 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import jax
@@ -20,9 +21,9 @@ from models.glm5_next.checkpoint import load_checkpoint
 from models.glm5_next.config import BUILTIN_CONFIGS, Glm5NextConfig, get_config, load_config
 from models.glm5_next.kv_cache import get_kv_cache_layers
 from models.glm5_next.model import Glm5NextForCausalLM
-from models.glm5_next.paged import PagedLayout, paged_hidden_states, paged_mtp_forward
+from models.glm5_next.paged import PagedLayout, kernel_fallbacks, paged_hidden_states, paged_mtp_forward
 from models.glm5_next.sharding import check_divisible, per_device_weight_bytes, shard_model
-from pallas_kernels._common import resolve_implementation
+from pallas_kernels._common import device_shared_memory_bytes, resolve_implementation
 from pallas_kernels.grouped_matmul import prepare_grouped_matmul
 from pallas_kernels.step_metadata import compute_step_metadata
 
@@ -73,7 +74,15 @@ class Glm5NextRunner:
     return Glm5NextRunner.from_model(model, implementation=self.implementation)
 
   def paged_layout(self, plan: KVCacheConfig) -> PagedLayout:
-    return PagedLayout.from_plan(plan)
+    """The plan's layout; an attention kernel whose tiles do not fit this GPU's shared memory runs its
+    XLA path, said once here (at start-up), never a compile error in a step."""
+    layout = PagedLayout.from_plan(plan)
+    if self.implementation != "pallas" or jax.default_backend() == "cpu":  # interpret mode has no limit
+      return layout
+    fallbacks = kernel_fallbacks(self.config, layout, device_shared_memory_bytes())
+    for kernel, reason in fallbacks.items():
+      warnings.warn(f"{kernel} runs its XLA path: {reason}", RuntimeWarning, stacklevel=2)
+    return dataclasses.replace(layout, xla_kernels=tuple(sorted(fallbacks)))
 
   def _model(self, params) -> Glm5NextForCausalLM:
     return nnx.merge(self.graphdef, params)
