@@ -189,7 +189,8 @@ def test_steady_decoding_does_not_compile():
   assert engine.num_compilations == warm
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-shared"])
+# Every checkpoint HF wrote, in each config.json form HF accepts (make_hf_fixtures.py's FORMS).
+@pytest.mark.parametrize("name", ["tiny", "tiny-shared", "flat-kda", "lac-only", "both"])
 def test_engine_matches_hf_greedy(name):
   path = pathlib.Path(__file__).parent / "fixtures" / "hf" / name
   _, hf_model = load_checkpoint(path, dtype=jax.numpy.float32, check_weights=True)

@@ -35,7 +35,7 @@ def loaded(request):
 
 
 def test_fixtures_present():
-  assert {"tiny", "tiny-shared"} <= set(NAMES)
+  assert {"tiny", "tiny-shared", "flat-kda", "lac-only", "both"} <= set(NAMES)
 
 
 def test_logits_match_hf(loaded):
@@ -207,3 +207,32 @@ def test_corrupted_checkpoint_bytes_load_or_raise_a_value_error(tmp_path_factory
     load_checkpoint(d)
   except ValueError:
     pass
+
+
+def test_config_forms_resolve_as_hf():
+  """Every config form HF's Glm5NextTextConfig accepts, resolved as HF resolved it
+  (fixtures/hf/config_cases.json, written by make_hf_fixtures.py with HF itself)."""
+  from models.glm5_next.config import Glm5NextConfig
+
+  cases = json.loads((FIXTURES / "config_cases.json").read_text())
+  assert len(cases) >= 20
+  for case in cases:
+    ours, hf = Glm5NextConfig.from_hf_dict(case["config"]), case["hf"]
+    eos = hf["eos_token_id"]
+    got = {"n_routed_experts": ours.n_routed_experts, "indexer_types": list(ours.indexer_types),
+           "layer_types": list(ours.layer_types), "mlp_layer_types": list(ours.mlp_layer_types),
+           "linear_num_heads": ours.linear_num_heads, "linear_head_dim": ours.linear_head_dim,
+           "linear_conv_kernel_dim": ours.linear_conv_kernel_dim, "linear_lower_bound": ours.linear_gate_lower_bound,
+           "pad_token_id": ours.pad_token_id,
+           "eos_token_id": list(ours.eos_token_id) if isinstance(eos, list) else (ours.eos_token_id or (None,))[0]}
+    assert got == hf, case["config"]
+
+
+def test_form_fixtures_are_in_their_forms():
+  """The checkpoints' config.json files really are in the forms the parity tests load."""
+  text = {n: json.loads((FIXTURES / n / "config.json").read_text())["text_config"] for n in ("flat-kda", "lac-only", "both")}
+  assert text["flat-kda"].get("linear_attn_config") is None and text["flat-kda"]["index_topk_pattern"] == "FFSF"
+  assert "linear_num_heads" not in text["lac-only"] and text["lac-only"]["linear_attn_config"]["safe_gate"] is False
+  assert "full_attention" in text["lac-only"]["layer_types"] and "num_local_experts" in text["lac-only"]
+  assert text["both"]["linear_num_heads"] != text["both"]["linear_attn_config"]["num_heads"]
+  assert all(t.get("indexer_types") is None for t in text.values())

@@ -48,7 +48,7 @@ class Glm5NextConfig:
   linear_num_heads: int
   linear_head_dim: int
   linear_conv_kernel_dim: int
-  linear_gate_lower_bound: float
+  linear_gate_lower_bound: float | None  # None: no lower bound (HF's softplus gate)
   hc_mult: int
   hc_eps: float
   hc_sinkhorn_iters: int
@@ -57,7 +57,7 @@ class Glm5NextConfig:
   max_position_embeddings: int
   # MTP draft steps >= 1 reuse step 0's index row (vLLM's proposer; a drafting approximation).
   index_share_for_mtp_iteration: bool
-  pad_token_id: int
+  pad_token_id: int | None
   eos_token_id: tuple[int, ...]
   tie_word_embeddings: bool
 
@@ -78,7 +78,7 @@ class Glm5NextConfig:
   def _check_values(self):
     """Types and ranges of every field, before anything is sized from them (a ValueError naming the
     field and the value)."""
-    counts = {"num_nextn_predict_layers": 0, "n_shared_experts": 0, "hc_sinkhorn_iters": 0, "pad_token_id": 0}
+    counts = {"num_nextn_predict_layers": 0, "n_shared_experts": 0, "hc_sinkhorn_iters": 0}
     limits = {"num_hidden_layers": 1024, "n_routed_experts": 1 << 16, "num_experts_per_tok": 1 << 16}
     for f in dataclasses.fields(self):
       value = getattr(self, f.name)
@@ -90,6 +90,12 @@ class Glm5NextConfig:
       elif f.type == "float":
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
           raise ValueError(f"config {f.name} must be a finite number, got {value!r}.")
+    if self.pad_token_id is not None and (not isinstance(self.pad_token_id, int) or isinstance(self.pad_token_id, bool)
+                                          or self.pad_token_id < 0):
+      raise ValueError(f"config pad_token_id must be null or an integer >= 0, got {self.pad_token_id!r}.")
+    bound = self.linear_gate_lower_bound
+    if bound is not None and (not isinstance(bound, (int, float)) or isinstance(bound, bool) or not math.isfinite(bound)):
+      raise ValueError(f"config linear_lower_bound must be null or a finite number, got {bound!r}.")
     for name in ("rms_norm_eps", "hc_eps"):
       if getattr(self, name) <= 0:
         raise ValueError(f"config {name} must be > 0, got {getattr(self, name)}.")
@@ -109,8 +115,13 @@ class Glm5NextConfig:
 
   @classmethod
   def from_hf_dict(cls, cfg: dict[str, Any]) -> Glm5NextConfig:
-    """From an HF ``config.json`` dict, flat or with ``text_config``; absent keys take HF's class
-    defaults (``HF_DEFAULTS``, the one table of them)."""
+    """From an HF ``config.json`` dict, flat or with ``text_config``, read as HF's ``Glm5NextTextConfig``
+    reads it: absent keys take HF's class defaults (``HF_DEFAULTS``, the one table of them);
+    ``linear_attn_config`` wins over the flat ``linear_*`` keys where both are given (with
+    ``safe_gate`` and a null lower bound meaning -5.0); ``indexer_types`` wins over
+    ``index_topk_pattern`` ("FSSF..." or a list), which wins over ``index_topk_freq`` /
+    ``index_skip_topk_offset``; ``full_attention`` means ``indexed_attention``; ``num_local_experts``
+    sets ``n_routed_experts``."""
     if isinstance(cfg, dict) and "text_config" in cfg:
       cfg = cfg["text_config"]
     if not isinstance(cfg, dict):
@@ -121,38 +132,77 @@ class Glm5NextConfig:
     n = cfg.get("num_hidden_layers")
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 1024:
       raise ValueError(f"config num_hidden_layers must be an integer in [1, 1024], got {n!r}.")
-    if not isinstance(cfg.get("linear_attn_config") or {}, dict):
-      raise ValueError(f"config linear_attn_config must be a JSON object, got {cfg['linear_attn_config']!r}.")
     get = lambda key: cfg[key] if cfg.get(key) is not None else HF_DEFAULTS[key]  # noqa: E731
-    lin = {**HF_DEFAULTS["linear_attn_config"], **(cfg.get("linear_attn_config") or {})}
-    layer_types = _names(cfg, "layer_types", ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(n)])
     eos = cfg.get("eos_token_id")
     eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
     ints = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "n_routed_experts",
             "num_experts_per_tok", "n_shared_experts", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
             "qk_nope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim", "index_topk", "index_kpool", "hc_mult",
-            "hc_sinkhorn_iters", "num_nextn_predict_layers", "max_position_embeddings", "pad_token_id")
+            "hc_sinkhorn_iters", "num_nextn_predict_layers", "max_position_embeddings")
     floats = ("routed_scaling_factor", "swiglu_limit", "hc_eps", "rms_norm_eps")
     bools = ("norm_topk_prob", "index_share_for_mtp_iteration", "tie_word_embeddings")
+    values = {k: get(k) for k in ints}
+    if cfg.get("num_local_experts") is not None:  # HF's attribute_map: it sets n_routed_experts
+      values["n_routed_experts"] = cfg["num_local_experts"]
+    layer_types = _names(cfg, "layer_types",
+                         ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(n)])
     return cls(
         num_hidden_layers=n,
         layer_types=tuple(_ATTN_ALIASES.get(t, t) for t in layer_types),
-        mlp_layer_types=tuple(_names(cfg, "mlp_layer_types", ["dense"] * 3 + ["sparse"] * (n - 3))),
-        indexer_types=tuple(_names(cfg, "indexer_types", ["full"] * n)),
-        linear_num_heads=lin["num_heads"],
-        linear_head_dim=lin["head_dim"],
-        linear_conv_kernel_dim=lin["short_conv_kernel_size"],
-        linear_gate_lower_bound=_number("linear_attn_config.gate_lower_bound", lin["gate_lower_bound"]),
+        mlp_layer_types=tuple(_names(cfg, "mlp_layer_types", ["dense"] * min(3, n) + ["sparse"] * (n - 3))),
+        indexer_types=tuple(_indexer_types(cfg, n)),
+        **_linear_attention(cfg),
         eos_token_id=eos,
-        **{k: get(k) for k in ints},
+        pad_token_id=cfg.get("pad_token_id", HF_DEFAULTS["pad_token_id"]),
+        **values,
         **{k: _number(k, get(k)) for k in floats},
         **{k: _flag(k, get(k)) for k in bools},
     )
 
 
+def _linear_attention(cfg: dict) -> dict:
+  """The KDA fields: the flat ``linear_*`` keys (HF's defaults where absent; a null lower bound is
+  no lower bound), overridden key by key by ``linear_attn_config`` when it is given."""
+  flat = {k: cfg.get(k, HF_DEFAULTS[k]) for k in ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim",
+                                                   "linear_lower_bound")}
+  lin = cfg.get("linear_attn_config")
+  if lin is not None:
+    if not isinstance(lin, dict):
+      raise ValueError(f"config linear_attn_config must be a JSON object, got {lin!r}.")
+    for key, flat_key in (("num_heads", "linear_num_heads"), ("head_dim", "linear_head_dim"),
+                          ("short_conv_kernel_size", "linear_conv_kernel_dim"),
+                          ("gate_lower_bound", "linear_lower_bound")):
+      flat[flat_key] = lin.get(key, flat[flat_key])
+    if lin.get("safe_gate", True) and flat["linear_lower_bound"] is None:
+      flat["linear_lower_bound"] = -5.0
+  bound = flat.pop("linear_lower_bound")
+  return {**flat, "linear_gate_lower_bound": None if bound is None else _number("linear_lower_bound", bound)}
+
+
+def _indexer_types(cfg: dict, n: int) -> list[str]:
+  """``indexer_types``, else ``index_topk_pattern`` ("F"/"S" letters or a list), else the
+  ``index_topk_freq`` / ``index_skip_topk_offset`` schedule (HF's defaults 1 and 2: every layer full)."""
+  if cfg.get("indexer_types") is not None:
+    return _names(cfg, "indexer_types", [])
+  pattern = cfg.get("index_topk_pattern")
+  if isinstance(pattern, str):
+    letters = {"F": "full", "S": "shared"}
+    if set(pattern) - set(letters):
+      raise ValueError(f"config index_topk_pattern must be a string of F (full) and S (shared), got {pattern!r}.")
+    return [letters[c] for c in pattern]
+  if pattern is not None:
+    return _names(cfg, "index_topk_pattern", [])
+  freq, offset = cfg.get("index_topk_freq", 1), cfg.get("index_skip_topk_offset", 2)
+  for key, value in (("index_topk_freq", freq), ("index_skip_topk_offset", offset)):
+    if not isinstance(value, int) or isinstance(value, bool):
+      raise ValueError(f"config {key} must be an integer, got {value!r}.")
+  freq = max(freq, 1)
+  return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+
+
 def _names(cfg: dict, key: str, default: list[str]) -> list[str]:
-  """A JSON list of strings (absent or empty: ``default``)."""
-  value = cfg.get(key) or default
+  """A JSON list of strings (absent or null: ``default``)."""
+  value = default if cfg.get(key) is None else cfg[key]
   if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
     raise ValueError(f"config {key} must be a list of strings, got {value!r}.")
   return value
@@ -179,7 +229,7 @@ HF_DEFAULTS: dict[str, Any] = {
     "kv_lora_rank": 512, "qk_nope_head_dim": 256, "v_head_dim": 256, "index_n_heads": 32, "index_head_dim": 128,
     "index_topk": 2048,
     "index_kpool": 16,  # HF's class default; the released model sets 4
-    "linear_attn_config": {"num_heads": 64, "head_dim": 128, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0},
+    "linear_num_heads": 64, "linear_head_dim": 128, "linear_conv_kernel_dim": 4, "linear_lower_bound": -5.0,
     "hc_mult": 4, "hc_eps": 1e-6, "hc_sinkhorn_iters": 20, "rms_norm_eps": 1e-5, "num_nextn_predict_layers": 0,
     "index_share_for_mtp_iteration": True, "max_position_embeddings": 1048576, "pad_token_id": 154820,
     "tie_word_embeddings": False,

@@ -317,7 +317,11 @@ class KimiDeltaAttention(nnx.Module):
     """Log-decay ``g [B, T, H, K]`` and write strength ``beta [B, T, H]`` (float32)."""
     f = self.f_b_proj(self.f_a_proj(x)).astype(jnp.float32) + self.dt_bias[...]
     f = f.reshape(*x.shape[:-1], self.h, self.k)
-    g = self.lower_bound * jax.nn.sigmoid(jnp.exp(self.A_log[...])[:, None] * f)
+    decay = jnp.exp(self.A_log[...])[:, None]
+    if self.lower_bound is not None:  # the safe gate: log-decay in (lower_bound, 0)
+      g = self.lower_bound * jax.nn.sigmoid(decay * f)
+    else:  # HF's softplus gate, linear past 20 as HF writes it
+      g = -decay * jnp.where(f > 20.0, f, jnp.log(1.0 + jnp.exp(jnp.minimum(f, 20.0))))
     return g, jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
 
   def __call__(self, x, conv_state=None, recurrent_state=None, *, chunked: bool = True, chunk_size: int = 64):
