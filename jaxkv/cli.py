@@ -42,10 +42,28 @@ def _add_model_args(p: argparse.ArgumentParser, default: str) -> None:
 
 
 def _model_config(args):
+  """The model's family and config; ``args.dtype`` resolved from ``"auto"`` (said on stderr)."""
   family = get_model_family()
-  if args.model_path:
-    return family, family.load_config(args.model_path)
-  return family, family.builtin_config(args.config)
+  config = family.load_config(args.model_path) if args.model_path else family.builtin_config(args.config)
+  if args.dtype == "auto":
+    args.dtype = _auto_dtype(args, config)
+  return family, config
+
+
+def _auto_dtype(args, config) -> str:
+  """vLLM's ``--dtype auto``: a checkpoint's own dtype; random weights bf16 on an accelerator and
+  float32 on the CPU (bf16 matmuls there are slow and not the reference's precision). ``inspect``
+  plans without weights: the config's dtype."""
+  if args.model_path or args.command == "inspect":
+    dtype, why = config.dtype, "the checkpoint's dtype" if args.model_path else "the config's dtype"
+  else:
+    import jax
+
+    cpu = jax.default_backend() == "cpu"
+    dtype, why = ("float32", "random weights on the CPU") if cpu else ("bfloat16", "random weights on a GPU")
+  if args.command != "inspect":
+    print(f"jaxkv {args.command}: --dtype auto: {dtype} ({why})", file=sys.stderr)
+  return dtype
 
 
 def cache_config_from_args(args, config) -> CacheConfig:
@@ -348,10 +366,10 @@ def _int_list(text: str) -> tuple[int, ...]:
 _CACHE_DEFAULTS = {
     "inspect": dict(block_size=1024, memory_gib=80.0, dtype="bfloat16", kv_cache_dtype="bfloat16",
                     indexer_cache_dtype="fp8"),
-    "engine": dict(block_size=256, memory_gib=0.0625, dtype="float32", kv_cache_dtype="float32",
-                   indexer_cache_dtype="float32"),
+    "engine": dict(block_size=256, memory_gib=0.0625, dtype="auto", kv_cache_dtype="auto",
+                   indexer_cache_dtype="auto"),
 }
-_CACHE_DTYPES = ("float32", "bfloat16", "fp8")
+_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8")
 
 
 def _add_cache_args(p: argparse.ArgumentParser, kind: str) -> None:
@@ -364,11 +382,13 @@ def _add_cache_args(p: argparse.ArgumentParser, kind: str) -> None:
                  help="packed: one arena row per block holds every layer's pages; dense: one array per layer")
   p.add_argument("--memory-gib", type=float, default=d["memory_gib"], help="KV-cache memory budget in GiB")
   p.add_argument("--max-model-len", type=_positive, default=None, help="longest request (default: the model's maximum)")
-  p.add_argument("--dtype", choices=("float32", "bfloat16"), default=d["dtype"],
-                 help="model dtype: weights, tail rings and KDA conv windows")
-  p.add_argument("--kv-cache-dtype", choices=_CACHE_DTYPES, default=d["kv_cache_dtype"], help="MLA latent cache")
+  p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=d["dtype"],
+                 help="model dtype: weights, tail rings and KDA conv windows; auto: the checkpoint's dtype (float16 "
+                      "served as bfloat16), for built-in random weights bfloat16 on a GPU and float32 on the CPU")
+  p.add_argument("--kv-cache-dtype", choices=_CACHE_DTYPES, default=d["kv_cache_dtype"],
+                 help="MLA latent cache; auto: the model dtype")
   p.add_argument("--indexer-cache-dtype", choices=_CACHE_DTYPES, default=d["indexer_cache_dtype"],
-                 help="pooled indexer key cache")
+                 help="pooled indexer key cache; auto: the model dtype")
   p.add_argument("--num-spec", type=int, default=0,
                  help="MTP speculative tokens per step (0: off): adds the MTP layer's caches, widens the tail "
                       "ring, gives each KDA state one slot per draft")

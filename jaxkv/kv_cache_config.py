@@ -50,6 +50,8 @@ __all__ = [
 
 LAYOUTS = ("dense", "packed")
 CACHE_DTYPES = ("bfloat16", "float32", "fp8")
+MODEL_DTYPES = ("bfloat16", "float32")
+_DTYPE_FIELDS = ("kv_cache_dtype", "indexer_cache_dtype", "state_dtype")
 _INT32_MAX = 2**31 - 1
 # Packed rows and layer offsets are multiples of this, so every layer's typed view (fp8, bf16,
 # fp32 rows of up to 128 channels) starts on a whole element row of the arena.
@@ -64,9 +66,12 @@ class CacheConfig:
     block_size: manager block size in tokens (packed plans may scale it up).
     kernel_block_size: dense split of token caches into kernel blocks (None: no split).
     layout: ``"dense"`` or ``"packed"``.
-    kv_cache_dtype: MLA latents: ``"bfloat16"``, ``"float32"`` or ``"fp8"``.
-    indexer_cache_dtype: pooled indexer keys: ``"fp8"``, ``"bfloat16"`` or ``"float32"``.
-    state_dtype: tail rings and linear-attention conv windows (the model's dtype).
+    kv_cache_dtype: MLA latents: ``"bfloat16"``, ``"float32"``, ``"fp8"`` or ``"auto"``.
+    indexer_cache_dtype: pooled indexer keys: ``"fp8"``, ``"bfloat16"``, ``"float32"`` or ``"auto"``.
+    state_dtype: tail rings and linear-attention conv windows, ``"bfloat16"``, ``"float32"`` or
+      ``"auto"``. ``"auto"`` (every dtype's default, vLLM's ``--kv-cache-dtype auto``) is the model's
+      dtype, resolved by ``resolve_dtypes``: the engine resolves it with its weights' dtype, a
+      model's ``get_kv_cache_layers`` with its config's.
     num_speculative_tokens: drafts per step; the plan then covers ``max_model_len + k`` tokens.
     memory_bytes: budget for all caches.
     max_model_len: longest request the plan must hold.
@@ -75,9 +80,9 @@ class CacheConfig:
   block_size: int = 256
   kernel_block_size: int | None = None
   layout: str = "packed"
-  kv_cache_dtype: str = "float32"
-  indexer_cache_dtype: str = "float32"
-  state_dtype: str = "float32"
+  kv_cache_dtype: str = "auto"
+  indexer_cache_dtype: str = "auto"
+  state_dtype: str = "auto"
   num_speculative_tokens: int = 0
   memory_bytes: int = 64 << 20
   max_model_len: int = 512
@@ -86,15 +91,25 @@ class CacheConfig:
     if self.layout not in LAYOUTS:
       raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}.")
     for name in ("kv_cache_dtype", "indexer_cache_dtype"):
-      if getattr(self, name) not in CACHE_DTYPES:
-        raise ValueError(f"{name} must be one of {CACHE_DTYPES}, got {getattr(self, name)!r}.")
-    if self.state_dtype not in ("bfloat16", "float32"):
-      raise ValueError(f"state_dtype must be bfloat16 or float32, got {self.state_dtype!r}.")
+      if getattr(self, name) not in CACHE_DTYPES + ("auto",):
+        raise ValueError(f"{name} must be one of {CACHE_DTYPES + ('auto',)}, got {getattr(self, name)!r}.")
+    if self.state_dtype not in MODEL_DTYPES + ("auto",):
+      raise ValueError(f"state_dtype must be one of {MODEL_DTYPES + ('auto',)}, got {self.state_dtype!r}.")
     for name in ("block_size", "memory_bytes", "max_model_len"):
       if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
         raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}.")
     if self.num_speculative_tokens < 0:
       raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}.")
+
+  def resolve_dtypes(self, model_dtype: str) -> CacheConfig:
+    """This config with every ``"auto"`` dtype replaced by ``model_dtype`` (the weights' dtype)."""
+    if model_dtype not in MODEL_DTYPES:
+      raise ValueError(f"model dtype must be one of {MODEL_DTYPES}, got {model_dtype!r}.")
+    return dataclasses.replace(self, **{f: model_dtype for f in _DTYPE_FIELDS if getattr(self, f) == "auto"})
+
+  @property
+  def dtypes_resolved(self) -> bool:
+    return all(getattr(self, f) != "auto" for f in _DTYPE_FIELDS)
 
   @property
   def planned_model_len(self) -> int:

@@ -284,3 +284,23 @@ def test_block_copy_argument_errors():
     scatter_blocks(caches, np.zeros(2, np.int32), np.zeros((2, 5), np.uint8), regions=regions)
   with pytest.raises(ValueError, match="5 block copies exceed the 4"):
     pad_block_ids([(1, 2)] * 5, 4)
+
+
+def test_hit_on_another_requests_blocks_is_bitwise_cold():
+  """Issue 29's case: a 300-token prompt P, then Q sharing P's first 260 tokens (two full blocks and
+  one pool past them), one request at a time, the CLI's default budget and buckets, in one
+  ``generate`` call: Q's tokens and top-5 log-probs are bitwise Q's alone, cold."""
+  rng = np.random.default_rng(29)
+  p = [int(t) for t in rng.integers(1, 256, 300)]
+  q = p[:260] + [int(t) for t in rng.integers(1, 256, 40)]
+
+  def engine():
+    cache = CacheConfig(block_size=BS, max_model_len=512)
+    return LLMEngine(runner(), EngineConfig(cache=cache, max_num_reqs=1, max_num_batched_tokens=64,
+                                            enable_prefix_caching=True))
+
+  (alone,) = engine().generate([q], SAMPLING)
+  _, warm = engine().generate([p, q], SAMPLING)
+  assert alone.num_cached_tokens == 0 and warm.num_cached_tokens == 2 * BS
+  assert warm.output_token_ids == alone.output_token_ids
+  assert warm.output_logprobs == alone.output_logprobs

@@ -32,11 +32,14 @@ class ModelRunner(Protocol):
     params: the weights (a pytree; the step's first argument).
     vocab_size: token ids are in ``[0, vocab_size)``.
     max_model_len: the longest sequence the model supports.
+    dtype: the weights' dtype name (``"bfloat16"`` or ``"float32"``): ``"auto"`` cache dtypes
+      resolve to it.
   """
 
   params: Any
   vocab_size: int
   max_model_len: int
+  dtype: str
 
   def get_kv_cache_layers(self, cache_config: CacheConfig, *, tensor_parallel_size: int = 1) -> Sequence[KVCacheLayer]:
     """Every cache the model keeps (and its draft head when ``num_speculative_tokens`` > 0), as one
@@ -95,6 +98,8 @@ def get_model_family(architecture: str = "glm5_next") -> ModelFamily:
 def plan_for(runner: ModelRunner, cache_config: CacheConfig, *, tensor_parallel_size: int = 1) -> KVCacheConfig:
   """The one way a model's KV cache is planned: its layers and the options, nothing else (a model
   without a draft head refuses ``num_speculative_tokens`` in ``get_kv_cache_layers``). On a tensor
-  split the plan is one device's: ``memory_bytes`` is each device's budget."""
+  split the plan is one device's: ``memory_bytes`` is each device's budget. ``"auto"`` cache dtypes
+  are the runner's weights' dtype."""
+  cache_config = cache_config.resolve_dtypes(runner.dtype)  # "auto": the weights' dtype
   layers = runner.get_kv_cache_layers(cache_config, tensor_parallel_size=tensor_parallel_size)
   return plan_kv_cache(layers, cache_config)

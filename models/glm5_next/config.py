@@ -17,6 +17,8 @@ from typing import Any
 __all__ = ["Glm5NextConfig", "BUILTIN_CONFIGS", "HF_DEFAULTS", "get_config", "load_config"]
 
 _MODEL_TYPES = ("glm5_next", "glm5_next_text")
+# A checkpoint's dtype -> the dtype jaxkv serves it in ("auto").
+_CHECKPOINT_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "bfloat16"}
 _ATTN_ALIASES = {"deepseek_sparse_attention": "indexed_attention", "full_attention": "indexed_attention"}
 
 
@@ -60,6 +62,9 @@ class Glm5NextConfig:
   pad_token_id: int | None
   eos_token_id: tuple[int, ...]
   tie_word_embeddings: bool
+  # The checkpoint's dtype (config.json's "dtype" / "torch_dtype"; float16 is served as bfloat16):
+  # what "auto" means for the weights and the caches. Absent: float32, HF's default.
+  dtype: str = "float32"
 
   def __post_init__(self):
     self._check_values()
@@ -122,10 +127,14 @@ class Glm5NextConfig:
     ``index_topk_pattern`` ("FSSF..." or a list), which wins over ``index_topk_freq`` /
     ``index_skip_topk_offset``; ``full_attention`` means ``indexed_attention``; ``num_local_experts``
     sets ``n_routed_experts``."""
+    outer = cfg if isinstance(cfg, dict) else {}
     if isinstance(cfg, dict) and "text_config" in cfg:
       cfg = cfg["text_config"]
     if not isinstance(cfg, dict):
       raise ValueError(f"a glm5_next config must be a JSON object (text_config included), got {type(cfg).__name__}.")
+    dtype = next((d[k] for d in (cfg, outer) for k in ("dtype", "torch_dtype") if d.get(k) is not None), "float32")
+    if not isinstance(dtype, str) or dtype not in _CHECKPOINT_DTYPES:
+      raise ValueError(f"config dtype must be one of {sorted(_CHECKPOINT_DTYPES)}, got {dtype!r}.")
     model_type = cfg.get("model_type")
     if model_type not in _MODEL_TYPES:
       raise ValueError(f"model_type {model_type!r} is not a glm5_next config (expected one of {_MODEL_TYPES}).")
@@ -153,6 +162,7 @@ class Glm5NextConfig:
         indexer_types=tuple(_indexer_types(cfg, n)),
         **_linear_attention(cfg),
         eos_token_id=eos,
+        dtype=_CHECKPOINT_DTYPES[dtype],
         pad_token_id=cfg.get("pad_token_id", HF_DEFAULTS["pad_token_id"]),
         **values,
         **{k: _number(k, get(k)) for k in floats},
@@ -244,7 +254,7 @@ def _released() -> dict:
       "layer_types": ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(n)],
       "mlp_layer_types": ["dense"] * 3 + ["sparse"] * (n - 3), "indexer_types": ["full"] * n,
       "num_key_value_heads": 64, "qk_rope_head_dim": 0, "n_group": 1, "topk_group": 1, "hidden_act": "silu",
-      "index_kpool": 4, "num_nextn_predict_layers": 1, "eos_token_id": [154820, 154827, 154829],
+      "index_kpool": 4, "num_nextn_predict_layers": 1, "eos_token_id": [154820, 154827, 154829], "dtype": "bfloat16",
   }
 
 
@@ -293,7 +303,7 @@ def _slice4() -> dict:
       **HF_DEFAULTS, "model_type": "glm5_next_text", "num_hidden_layers": 4,
       "layer_types": ["linear_attention"] * 3 + ["indexed_attention"],
       "mlp_layer_types": ["dense", "sparse", "dense", "sparse"], "indexer_types": ["full"] * 4,
-      "index_kpool": 4, "pad_token_id": 0,
+      "index_kpool": 4, "pad_token_id": 0, "dtype": "bfloat16",
   }
 
 

@@ -72,6 +72,7 @@ def get_kv_cache_layers(config: Glm5NextConfig, cache_config: CacheConfig, *,
   states, laid out as one device's page would be); in the packed layout one arena row holds every
   group's pages, so states stay whole on every device, as the latents and pooled keys do.
   """
+  cache_config = cache_config.resolve_dtypes(config.dtype)  # "auto": the model's dtype
   block_size, state_dtype = cache_config.block_size, cache_config.state_dtype
   kv_cache_dtype, indexer_cache_dtype = cache_config.kv_cache_dtype, cache_config.indexer_cache_dtype
   num_speculative_tokens = cache_config.num_speculative_tokens

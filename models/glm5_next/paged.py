@@ -65,6 +65,10 @@ class PagedLayout:
   @classmethod
   def from_plan(cls, plan: KVCacheConfig) -> PagedLayout:
     cc = plan.cache_config
+    if not cc.dtypes_resolved:
+      raise ValueError(f"the plan's cache dtypes are not resolved ({cc.kv_cache_dtype}, {cc.indexer_cache_dtype}, "
+                       f"{cc.state_dtype}): plan with cache_config.resolve_dtypes(the model's dtype), as "
+                       "jaxkv.engine.plan_for does.")
     split = tuple((t.name, t.shards) for t in plan.tensors if t.shards > 1)
     return cls(cc.kv_cache_dtype, cc.indexer_cache_dtype, cc.state_dtype, plan.views, split)
 

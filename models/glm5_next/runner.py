@@ -60,6 +60,10 @@ class Glm5NextRunner:
     return self.config.vocab_size
 
   @property
+  def dtype(self) -> str:
+    return jnp.dtype(self.params["embed_tokens"].get_value().dtype).name
+
+  @property
   def max_model_len(self) -> int:
     return self.config.max_position_embeddings
 
