@@ -1,0 +1,288 @@
+"""GPU conformance matrix: every configuration a user can ask for starts, compiles only at warm-up,
+and agrees with the float32 XLA path.
+
+The configuration space (``SPACE``): model dtype x latent dtype x indexer dtype x layout x block
+size x kernel split x MTP drafts x prefix caching x implementation, covered pairwise (every pair of
+two settings' values is in some cell; ``pairwise_cells``), on two models: ``tiny`` (the embedded
+config) and ``slice`` (``glm-5.3-flash-slice4``, the released dimensions in 4 layers, with 16
+routed experts so that a cell builds and compiles in seconds). Random weights, one seed per model
+and dtype, shared by every cell.
+
+Each cell serves two prompts one after the other on one engine (the second shares a prefix of
+the first, so prefix caching hits), 8 greedy tokens each with top-5 log-probabilities, after
+``warmup()``, and checks:
+
+- it starts (plans, builds, compiles) and serves without an error;
+- nothing compiles after warm-up;
+- float32 weights and caches: greedy tokens equal the float32 XLA path's (packed, block 256, no
+  drafts, no caching), except past a step where the reference's top two log-probs are within
+  1e-4 (a tie: reported, not failed);
+- bf16 / fp8: token agreement with the float32 XLA path and the largest top-1 log-prob
+  difference before the first divergence are reported;
+- bitwise: cells of one model, dtypes and implementation (``SWEEP`` adds such cells: the same
+  settings over layouts, block sizes, kernel splits, drafts and caching) give identical tokens
+  and log-probs.
+
+One JSON line per cell goes to ``--out`` (written as it runs: a call stopped at its limit keeps
+what ran); ``--markdown`` prints the table of docs/conformance.md from such a file.
+
+    python benchmarks/conformance.py --out docs/results/conformance-h200.jsonl --models tiny,slice
+    python benchmarks/conformance.py --markdown docs/results/conformance-h200.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import pathlib
+import sys
+import time
+import traceback
+import warnings
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SPACE = {
+    "dtype": ("float32", "bfloat16"),
+    "kv_cache_dtype": ("float32", "bfloat16", "fp8"),
+    "indexer_cache_dtype": ("float32", "bfloat16", "fp8"),
+    "layout": ("packed", "dense"),
+    "block_size": (128, 256, 1024),
+    "kernel_block_size": (None, 128),
+    "num_spec": (0, 2),
+    "prefix_caching": (False, True),
+    "implementation": ("pallas", "xla"),
+}
+REFERENCE = {"dtype": "float32", "kv_cache_dtype": "float32", "indexer_cache_dtype": "float32", "layout": "packed",
+             "block_size": 256, "kernel_block_size": None, "num_spec": 0, "prefix_caching": False,
+             "implementation": "xla"}
+# Settings that must not change a bit of the output (for one model, dtypes and implementation).
+LAYOUT_KEYS = ("layout", "block_size", "kernel_block_size", "num_spec", "prefix_caching")
+# Extra cells for the bitwise check: the serving configuration and all-float32 over LAYOUT_KEYS.
+SWEEP = [
+    {"layout": "packed", "block_size": 128, "kernel_block_size": None, "num_spec": 0, "prefix_caching": True},
+    {"layout": "packed", "block_size": 1024, "kernel_block_size": None, "num_spec": 2, "prefix_caching": False},
+    {"layout": "dense", "block_size": 256, "kernel_block_size": 128, "num_spec": 0, "prefix_caching": False},
+    {"layout": "dense", "block_size": 1024, "kernel_block_size": 128, "num_spec": 2, "prefix_caching": True},
+]
+SWEEP_DTYPES = [("bfloat16", "bfloat16", "fp8", "pallas"), ("float32", "float32", "float32", "pallas")]
+
+MODELS = {
+    # name: (built-in config, overrides, prompt length, shared prefix, KV budget, max model len, budget, buckets)
+    "tiny": ("glm-5.3-flash-tiny", {}, 180, 140, 64 << 20, 256, 64, (8, 64)),
+    "slice": ("glm-5.3-flash-slice4", {"n_routed_experts": 16}, 1100, 1040, int(1.75 * 2**30), 2048, 512, (8, 512)),
+}
+NEW_TOKENS = 8
+TIE = 1e-4
+
+
+def valid(cell: dict) -> bool:
+  """A kernel split needs the dense layout and a block larger than the kernel block."""
+  split = cell.get("kernel_block_size")
+  return split is None or (cell.get("layout") == "dense" and cell.get("block_size", split + 1) > split)
+
+
+def pairwise_cells(space: dict = SPACE) -> list[dict]:
+  """Cells covering every valid pair of two settings' values (greedy, deterministic)."""
+  keys = list(space)
+  pairs = {(a, va, b, vb) for a, b in itertools.combinations(keys, 2) for va in space[a] for vb in space[b]
+           if valid({a: va, b: vb})}
+  cells = []
+  while pairs:
+    cell = {}
+    for key in keys:
+      def gain(v):
+        trial = {**cell, key: v}
+        if not valid(trial):
+          return -1
+        return sum((a, trial[a], b, trial[b]) in pairs for a, b in itertools.combinations(trial, 2)
+                   if key in (a, b))
+      cell[key] = max(space[key], key=gain)
+    covered = {(a, cell[a], b, cell[b]) for a, b in itertools.combinations(keys, 2)}
+    if not covered & pairs:  # the greedy choice covered nothing new: take one uncovered pair as is
+      a, va, b, vb = sorted(pairs, key=str)[0]
+      cell = {**REFERENCE, a: va, b: vb}
+      covered = {(x, cell[x], y, cell[y]) for x, y in itertools.combinations(keys, 2)}
+    pairs -= covered
+    cells.append(cell)
+  return cells
+
+
+def all_cells() -> list[dict]:
+  cells = [dict(REFERENCE)] + pairwise_cells()
+  for d, kv, ind, impl in SWEEP_DTYPES:
+    for s in SWEEP:
+      cells.append({"dtype": d, "kv_cache_dtype": kv, "indexer_cache_dtype": ind, "implementation": impl, **s})
+  out, seen = [], set()
+  # The reference first, then the kernels' cells (the XLA ones are baselines): what a call stopped
+  # at its limit leaves out matters least.
+  for c in cells[:1] + sorted(cells[1:], key=lambda c: c["implementation"] != "pallas"):
+    key = tuple(sorted(c.items(), key=str))
+    if key not in seen:
+      seen.add(key)
+      out.append(c)
+  return out
+
+
+def prompts(model: str) -> list[list[int]]:
+  import numpy as np
+
+  _, _, length, shared, *_ = MODELS[model]
+  rng = np.random.default_rng(7)
+  a = [int(t) for t in rng.integers(1, 250, length)]
+  return [a, a[:shared] + [int(t) for t in rng.integers(1, 250, length - shared)]]
+
+
+_RUNNERS: dict = {}
+
+
+def runner_for(model: str, dtype: str, implementation: str):
+  from models.glm5_next import get_config
+  from models.glm5_next.runner import FAMILY
+
+  if (model, dtype) not in _RUNNERS:
+    name, overrides, *_ = MODELS[model]
+    config = dataclasses.replace(get_config(name), **overrides)
+    _RUNNERS[model, dtype] = FAMILY.from_random(config, dtype=dtype, seed=0, implementation="xla")
+  return dataclasses.replace(_RUNNERS[model, dtype], implementation=implementation)
+
+
+def run_cell(model: str, cell: dict) -> dict:
+  from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
+  from jaxkv.kv_cache_config import CacheConfig
+
+  _, _, _, _, memory, max_len, budget, buckets = MODELS[model]
+  row = {"model": model, **cell}
+  t0 = time.perf_counter()
+  try:
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      cache = CacheConfig(block_size=cell["block_size"], kernel_block_size=cell["kernel_block_size"],
+                          layout=cell["layout"], kv_cache_dtype=cell["kv_cache_dtype"],
+                          indexer_cache_dtype=cell["indexer_cache_dtype"], num_speculative_tokens=cell["num_spec"],
+                          memory_bytes=memory, max_model_len=max_len)
+      engine = LLMEngine(runner_for(model, cell["dtype"], cell["implementation"]),
+                         EngineConfig(cache=cache, max_num_reqs=2, max_num_batched_tokens=budget, buckets=buckets,
+                                      enable_prefix_caching=cell["prefix_caching"]))
+      warm = engine.warmup()
+      row["warmup_s"] = round(time.perf_counter() - t0, 2)
+      sampling = SamplingParams(max_new_tokens=NEW_TOKENS, logprobs=5)
+      outs = [engine.generate([p], sampling)[0] for p in prompts(model)]
+      row["compiled_after_warmup"] = engine.num_compilations - warm
+      row["tokens"] = [r.output_token_ids for r in outs]
+      row["logprobs"] = [[[[int(i), float(v)] for i, v in step] for step in r.output_logprobs] for r in outs]
+      row["cached_tokens"] = [r.num_cached_tokens for r in outs]
+      row["xla_kernels"] = list(engine._statics.layout.xla_kernels) if hasattr(engine, "_statics") else []
+      row["warnings"] = sorted({str(w.message)[:200] for w in caught if issubclass(w.category, RuntimeWarning)})
+  except Exception as e:  # a cell that cannot start or serve is a failing cell, with its error
+    row["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+    row["traceback"] = traceback.format_exc()[-1500:]
+  row["seconds"] = round(time.perf_counter() - t0, 2)
+  return row
+
+
+def compare(rows: list[dict]) -> list[dict]:
+  """Adds each row's verdict: against the float32 XLA reference, and bitwise within its group."""
+  refs = {r["model"]: r for r in rows if all(r.get(k) == v for k, v in REFERENCE.items()) and "tokens" in r}
+  groups: dict = {}
+  for r in rows:
+    if "tokens" in r:
+      key = (r["model"], r["dtype"], r["kv_cache_dtype"], r["indexer_cache_dtype"], r["implementation"])
+      groups.setdefault(key, []).append(r)
+  for r in rows:
+    problems = []
+    if "error" in r:
+      problems.append("error")
+    elif r["compiled_after_warmup"]:
+      problems.append(f"compiled {r['compiled_after_warmup']} after warm-up")
+    ref = refs.get(r["model"])
+    if "tokens" in r and ref is not None:
+      agree, total, dmax, tie = 0, 0, 0.0, False
+      for got, want, got_lp, want_lp in zip(r["tokens"], ref["tokens"], r["logprobs"], ref["logprobs"]):
+        for i, (g, w) in enumerate(zip(got, want)):
+          total += 1
+          if g != w:
+            tie = tie or (want_lp[i][0][1] - want_lp[i][1][1] < TIE)
+            break
+          agree += 1
+          dmax = max(dmax, abs(got_lp[i][0][1] - want_lp[i][0][1]))
+      r["token_agreement"] = f"{agree}/{2 * NEW_TOKENS}"
+      r["max_top1_logprob_diff"] = dmax
+      exact = r["dtype"] == r["kv_cache_dtype"] == r["indexer_cache_dtype"] == "float32"
+      if exact and agree < 2 * NEW_TOKENS and not tie:
+        problems.append(f"float32 tokens differ from the XLA path ({r['token_agreement']})")
+    if "tokens" in r:
+      key = (r["model"], r["dtype"], r["kv_cache_dtype"], r["indexer_cache_dtype"], r["implementation"])
+      first = groups[key][0]
+      r["bitwise_group_size"] = len(groups[key])
+      if (r["tokens"], r["logprobs"]) != (first["tokens"], first["logprobs"]):
+        problems.append("not bitwise the group's first cell (" +
+                        ", ".join(f"{k}={first[k]}" for k in LAYOUT_KEYS) + ")")
+    r["problems"] = problems
+    r["pass"] = not problems
+  return rows
+
+
+def markdown(rows: list[dict]) -> str:
+  cols = ["model", "dtype", "kv_cache_dtype", "indexer_cache_dtype", "layout", "block_size", "kernel_block_size",
+          "num_spec", "prefix_caching", "implementation"]
+  head = ["model", "weights", "latents", "indexer", "layout", "block", "split", "drafts", "prefix", "impl",
+          "agree", "max dlogp", "hits", "bitwise grp", "s", "result"]
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for r in rows:
+    vals = [str(r[c]) if r[c] is not None else "-" for c in cols]
+    hits = "/".join(map(str, r.get("cached_tokens", []))) or "-"
+    d = r.get("max_top1_logprob_diff")
+    vals += [r.get("token_agreement", "-"), "-" if d is None else f"{d:.1e}", hits, str(r.get("bitwise_group_size", "-")),
+             str(r["seconds"]), "pass" if r["pass"] else "**FAIL**: " + "; ".join(r["problems"])]
+    lines.append("| " + " | ".join(vals) + " |")
+  ok = sum(r["pass"] for r in rows)
+  return "\n".join(lines) + f"\n\n{ok} of {len(rows)} cells pass.\n"
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--out", default="conformance.jsonl", help="JSON lines, one per cell, written as they finish")
+  p.add_argument("--models", default="tiny,slice", help="comma-separated: tiny, slice")
+  p.add_argument("--time-budget", type=float, default=540.0,
+                 help="seconds: no cell starts after this (the device call's limit is 600)")
+  p.add_argument("--list", action="store_true", help="print the cells and exit")
+  p.add_argument("--markdown", metavar="JSONL", help="print the table of a finished run and exit")
+  args = p.parse_args(argv)
+  if args.markdown:
+    rows = [json.loads(line) for line in pathlib.Path(args.markdown).read_text().splitlines() if line.strip()]
+    print(markdown(compare(rows)))
+    return 0
+  cells = all_cells()
+  if args.list:
+    for c in cells:
+      print(json.dumps(c))
+    print(f"{len(cells)} cells per model", file=sys.stderr)
+    return 0
+  import jax
+
+  start = time.perf_counter()
+  rows = []
+  with open(args.out, "w") as f:
+    f.write(json.dumps({"device": str(jax.devices()[0].device_kind), "jax": jax.__version__}) + "\n")
+    for model in args.models.split(","):
+      for i, cell in enumerate(cells):
+        if time.perf_counter() - start > args.time_budget:
+          print(f"time budget reached: {model} cell {i} of {len(cells)} not started", file=sys.stderr)
+          break
+        row = run_cell(model, cell)
+        rows.append(row)
+        f.write(json.dumps({k: v for k, v in row.items() if k != "traceback"} | {"traceback": row.get("traceback")})
+                + "\n")
+        f.flush()
+        print(f"[{time.perf_counter() - start:6.1f}s] {model} {cell} -> "
+              f"{row.get('error') or 'ok'} ({row['seconds']} s)", file=sys.stderr, flush=True)
+  print(markdown(compare(rows)))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
