@@ -9,7 +9,7 @@ every acceptance length 0..k occurs.
 
 Tolerance, stated: with speculation the head runs on ``max_num_reqs x (1 + k)`` rows instead of
 ``max_num_reqs``, another matmul shape, so log-probabilities may round differently from the
-non-speculative run (measured <= 4.8e-7); tokens are identical. Runs that share ``k`` are bitwise
+non-speculative run (measured <= 4.8e-7 on the CPU, 1.4e-6 on the H200); tokens are identical. Runs that share ``k`` are bitwise
 identical across layouts and schedules.
 """
 
@@ -64,7 +64,7 @@ def forced_run(k, corrupt, sampling=LONG, config=None):
 def test_greedy_tokens_identical_with_mtp_drafts(k):
   got, engine = run(cfg(num_speculative_tokens=k))
   assert engine.num_draft_tokens > 0
-  assert_close_runs(got, baseline(), atol=1e-6)
+  assert_close_runs(got, baseline(), atol=2e-6)
 
 
 def test_without_index_sharing():
@@ -74,7 +74,7 @@ def test_without_index_sharing():
   engine = LLMEngine(Glm5NextRunner.from_model(no_share), cfg(num_speculative_tokens=3))
   reqs = engine.generate(prompts(), SamplingParams(max_new_tokens=5, logprobs=5))
   assert engine.num_draft_tokens > 0
-  assert_close_runs([(r.output_token_ids, r.output_logprobs) for r in reqs], baseline(), atol=1e-6)
+  assert_close_runs([(r.output_token_ids, r.output_logprobs) for r in reqs], baseline(), atol=2e-6)
 
 
 @pytest.mark.parametrize("pattern", ["all_accepted", "mixed"])
@@ -82,7 +82,7 @@ def test_rollback_of_rejected_drafts(pattern):
   """Accepting 0..3 drafts per step, rolled back everywhere else, changes no token."""
   corrupt = {"all_accepted": lambda step, i: False, "mixed": lambda step, i: (step + i) % 3 == 2}[pattern]
   got, engine = forced_run(3, corrupt)
-  assert_close_runs(got, long_baseline(), atol=1e-6)
+  assert_close_runs(got, long_baseline(), atol=2e-6)
   if pattern == "all_accepted":
     assert engine.num_accepted_tokens == engine.num_draft_tokens > 0
     assert engine.num_steps <= 1 + -(-(LONG.max_new_tokens - 1) // 4) + 2  # ~4 tokens per step
