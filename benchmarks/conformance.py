@@ -172,6 +172,7 @@ def run_cell(model: str, cell: dict) -> dict:
       engine = LLMEngine(runner_for(model, cell["dtype"], cell["implementation"]),
                          EngineConfig(cache=cache, max_num_reqs=2, max_num_batched_tokens=budget, buckets=buckets,
                                       enable_prefix_caching=cell["prefix_caching"]))
+      row["manager_block_size"] = engine.plan.block_size  # packed plans may scale the block up
       warm = engine.warmup()
       row["warmup_s"] = round(time.perf_counter() - t0, 2)
       sampling = SamplingParams(max_new_tokens=NEW_TOKENS, logprobs=5)
