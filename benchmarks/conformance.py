@@ -261,6 +261,7 @@ def main(argv=None) -> int:
   p.add_argument("--models", default="tiny,slice", help="comma-separated: tiny, slice")
   p.add_argument("--time-budget", type=float, default=540.0,
                  help="seconds: no cell starts after this (the device call's limit is 600)")
+  p.add_argument("--start", type=int, default=0, help="skip the first cells (continue a run stopped at its limit)")
   p.add_argument("--list", action="store_true", help="print the cells and exit")
   p.add_argument("--markdown", metavar="JSONL", help="print the table of a finished run and exit")
   args = p.parse_args(argv)
@@ -281,7 +282,7 @@ def main(argv=None) -> int:
   with open(args.out, "w") as f:
     f.write(json.dumps({"device": str(jax.devices()[0].device_kind), "jax": jax.__version__}) + "\n")
     for model in args.models.split(","):
-      for i, cell in enumerate(cells):
+      for i, cell in list(enumerate(cells))[args.start:]:
         if time.perf_counter() - start > args.time_budget:
           print(f"time budget reached: {model} cell {i} of {len(cells)} not started", file=sys.stderr)
           break
