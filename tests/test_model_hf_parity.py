@@ -236,3 +236,16 @@ def test_form_fixtures_are_in_their_forms():
   assert "full_attention" in text["lac-only"]["layer_types"] and "num_local_experts" in text["lac-only"]
   assert text["both"]["linear_num_heads"] != text["both"]["linear_attn_config"]["num_heads"]
   assert all(t.get("indexer_types") is None for t in text.values())
+
+
+def test_non_finite_weights_are_said_at_load(tmp_path):
+  """Weight checking off (the default): a NaN lm_head loads, with one warning naming it."""
+  from safetensors.numpy import load_file
+
+  tensors = load_file(FIXTURES / "tiny" / "model.safetensors")
+  tensors["lm_head.weight"] = np.full_like(tensors["lm_head.weight"], np.nan)
+  d = _checkpoint_dir(tmp_path, "nan", tensors=tensors)
+  with pytest.warns(RuntimeWarning, match=r"NaN or infinite values in 1 tensors \(\['lm_head.weight'\]\)"):
+    load_checkpoint(d)
+  with pytest.raises(ValueError, match="NaN or infinite"):
+    load_checkpoint(d, check_weights=True)

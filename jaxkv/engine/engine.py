@@ -338,8 +338,13 @@ class LLMEngine:
                                max_num_batched_tokens=config.max_num_batched_tokens,
                                num_lookahead_tokens=max(k - 1, 0), connector=self.connector, swap=self.swap)
     self._cache_shardings = cache_shardings(self.plan, self.mesh)
-    self.caches = self.plan.allocate(self._cache_shardings)
-    self.kernel_tables = jax.device_put(self.plan.init_kernel_block_tables(config.max_num_reqs), self._replicated)
+    # The state the step carries (caches, kernel tables) is committed to its device from the start,
+    # on one device too: a swap-in's or a load's device_put commits the caches, and a step whose
+    # arguments change from uncommitted to committed compiles again (another signature).
+    one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    self._placement = self._replicated or one_device  # the step's inputs and outputs
+    self.caches = self.plan.allocate(self._cache_shardings or {t.name: one_device for t in self.plan.tensors})
+    self.kernel_tables = jax.device_put(self.plan.init_kernel_block_tables(config.max_num_reqs), self._placement)
     # Prefix caching's state checkpoints and restores: whole state blocks copied on the device, at
     # most one per request row and state group per call (one compiled shape).
     state_groups = [g for g, grp in enumerate(groups) if isinstance(grp.kv_cache_spec, LinearAttentionStateSpec)]
@@ -364,7 +369,7 @@ class LLMEngine:
     # The step in flight (async scheduling): its chunks and its packed outputs, not yet read back.
     self._in_flight: tuple[list, jax.Array] | None = None
     self._prev_out = jax.device_put(jnp.zeros(sum(math.prod(shape) for shape, _ in self._out_shapes), jnp.int32),
-                                    self._replicated)
+                                    self._placement)
     self._requests: dict[str, Request] = {}
     self._lock = threading.RLock()  # one step at a time; add_request and abort wait for it
     self._arrivals = itertools.count()
@@ -376,7 +381,9 @@ class LLMEngine:
     if config.kv_offload == "host":
       return OffloadingConnector(self.plan, HostTier(config.kv_offload_bytes))
     if config.kv_offload == "disk":
-      tier = DiskTier(config.kv_offload_dir, config.kv_offload_bytes, offload_fingerprint(self.plan, runner.params))
+      payload = {g: BlockRegions.from_plan(self.plan, [g]).bytes_per_block for g in range(len(self.plan.kv_cache_groups))}
+      tier = DiskTier(config.kv_offload_dir, config.kv_offload_bytes, offload_fingerprint(self.plan, runner.params),
+                      payload_bytes=payload)
       return OffloadingConnector(self.plan, tier)
     return None
 
@@ -534,7 +541,7 @@ class LLMEngine:
     for g, bt in enumerate(self.tables.block_tables):
       v[f"table{g}"][...] = bt.block_table
       v[f"count{g}"][...] = bt.num_blocks_per_row
-    packed = jax.device_put(buf, self._replicated)  # one host-to-device transfer for the whole step
+    packed = jax.device_put(buf, self._placement)  # one host-to-device transfer for the whole step
     out, self.caches, self.kernel_tables = _device_step(self._statics, packing, self._param_leaves, self.caches,
                                                         self.kernel_tables, packed, self._prev_out)
     self._prev_out = out

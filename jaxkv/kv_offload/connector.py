@@ -61,10 +61,29 @@ def to_device(rows, caches: dict[str, jax.Array]) -> jax.Array:
   return jax.device_put(rows, sharding.with_memory_kind("device"))
 
 
+@jax.jit
+def _weight_digests(leaves):
+  """Two 32-bit sums of each weight's every word (``[num_leaves, 2]`` uint32), in one pass on the
+  device: ``sum(w_i * (2i + 1))`` changes with any single word (odd multipliers are invertible
+  mod 2^32), and a second sum of mixed words guards against changes that cancel in the first."""
+  out = []
+  for x in leaves:
+    if x.dtype == jnp.bool_:
+      x = x.astype(jnp.uint8)
+    words = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize])
+    words = words.reshape(-1).astype(jnp.uint32)
+    i = jnp.arange(words.shape[0], dtype=jnp.uint32)
+    mixed = (words ^ (words >> 15)) * jnp.uint32(0x2C1B3C6D) + i * jnp.uint32(0x9E3779B1)
+    out.append(jnp.stack([jnp.sum(words * (2 * i + 1), dtype=jnp.uint32),
+                          jnp.sum(mixed ^ (mixed >> 13), dtype=jnp.uint32)]))
+  return jnp.stack(out) if out else jnp.zeros((0, 2), jnp.uint32)
+
+
 def offload_fingerprint(plan: KVCacheConfig, params) -> str:
   """What stored blocks belong to: the block layout of the plan (groups, pages, offsets, dtypes,
-  block size) and a strided sample of every weight, as a SHA-256 hex digest. Blocks saved under
-  another fingerprint are never read."""
+  block size) and every weight (shape, dtype and digests of all its bytes, computed on the device
+  in one pass: ``_weight_digests``), as a SHA-256 hex digest. Blocks saved under another
+  fingerprint are never read: two models that differ in one weight element do not share blocks."""
   layout = {
       "layout": plan.layout, "block_size": plan.block_size, "bytes_per_block": plan.bytes_per_block,
       "groups": [[list(g.layer_names), [repr(s) for s in g.layer_specs]] for g in plan.kv_cache_groups],
@@ -72,10 +91,10 @@ def offload_fingerprint(plan: KVCacheConfig, params) -> str:
   }
   h = hashlib.sha256(json.dumps(layout, sort_keys=True).encode())
   leaves = jax.tree.leaves(params)
-  samples = jax.jit(lambda xs: [x.reshape(-1)[::max(1, x.size // 64)][:64] for x in xs])(leaves)
-  for leaf, sample in zip(leaves, samples):
+  digests = np.asarray(_weight_digests(leaves))
+  for leaf, digest in zip(leaves, digests):
     h.update(repr((leaf.shape, str(leaf.dtype))).encode())
-    h.update(np.asarray(sample).tobytes())
+    h.update(digest.tobytes())
   return h.hexdigest()
 
 
@@ -141,7 +160,7 @@ class OffloadingConnector(KVConnectorBase):
           on_device.append(block)
           continue
         on_device_all = False
-        data = self.tier.get((hashes[i], g)) if self.tier.contains((hashes[i], g)) else None
+        data = self._read((hashes[i], g))
         if data is None:
           found_all = False
           break
@@ -159,7 +178,7 @@ class OffloadingConnector(KVConnectorBase):
       for g in state_groups:
         key = (hashes[end - 1], g)
         if pool.get_cached_block(*key) is None:
-          data = self.tier.get(key) if self.tier.contains(key) else None
+          data = self._read(key)
           if data is None:
             break
           checkpoints[key] = data
@@ -171,7 +190,13 @@ class OffloadingConnector(KVConnectorBase):
     # With a draft layer the device drops the last block of its hit again: it must see one more.
     last = end + 1 if kv.use_eagle else end
     loads = {k: data for k, (i, data) in read.items() if i < last} | checkpoints
-    if not loads or len(loads) > pool.get_num_free_blocks():
+    if not loads:
+      return 0
+    # Reserve before touching: touching the device's prefix blocks takes the free ones among them
+    # out of the free list, so the loads must fit in what is free after that, or nothing is loaded
+    # (a miss; the request computes its prefix), never an error.
+    touched_free = len({b.block_id for b in on_device if b.ref_cnt == 0 and not b.is_null})
+    if len(loads) > pool.get_num_free_blocks() - touched_free:
       return 0
     pool.touch(on_device)  # not evicted by the blocks taken below
     for (block_hash, g), data in loads.items():
@@ -183,6 +208,13 @@ class OffloadingConnector(KVConnectorBase):
     self.num_loaded_blocks += len(loads)
     self.num_loaded_bytes += sum(data.nbytes for data in loads.values())
     return (end - min(device_run, end)) * kv.hash_block_size
+
+  def _read(self, key: tuple[BlockHash, int]) -> np.ndarray | None:
+    """A block from the tier, or None: absent, unreadable, or not this layout's block size."""
+    data = self.tier.get(key) if self.tier.contains(key) else None
+    if data is not None and data.nbytes != self.regions[key[1]].bytes_per_block:
+      return None
+    return data
 
   # -- worker side ---------------------------------------------------------------------------------
 

@@ -5,10 +5,16 @@ Layout: ``DIR/<fingerprint>/manifest.json`` names the format and what the blocks
 fingerprint covers the plan's block layout and a sample of the weights, so another model, dtype or
 layout never reads these blocks), and ``DIR/<fingerprint>/<hash hex>-g<group>.blk`` holds one
 block: a 48-byte header (magic, payload length, SHA-256 of the payload) and the payload. Files
-are written to a temporary name and renamed, by one background thread, so the serving loop never
-waits for the disk. A read checks the header and checksum: a missing, truncated or corrupt file
-is a miss (and is deleted), never wrong bytes. Capacity is kept by evicting the least recently
-used files (file modification times order them after a restart).
+are written to a temporary name unique to the writer (process and thread) and renamed, by one
+background thread, so the serving loop never waits for the disk and two processes sharing the
+directory never rename each other's files (the second writer of a block replaces it with the same
+bytes). A read checks the header, the payload's size and the checksum: a missing, truncated or
+corrupt file is a miss (and is deleted), never wrong bytes. Capacity is kept by evicting the least
+recently used files (file modification times order them after a restart).
+
+The disk never stops the engine: a failed read is a miss and a failed write (permissions, full
+disk, a directory removed while serving) a skipped save, each logged once with the path and the
+error. A directory that exists but is not writable is used read-only (said at start-up).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import collections
 import concurrent.futures
 import hashlib
 import json
+import logging
 import os
 import pathlib
 import struct
@@ -31,15 +38,18 @@ __all__ = ["DiskTier"]
 _MAGIC = b"JAXKVBLK"
 _HEADER = struct.Struct("<8sQ32s")  # magic, payload bytes, sha256(payload)
 _FORMAT = 1
+_log = logging.getLogger("jaxkv.kv_offload")
 
 
 class DiskTier(OffloadTier):
   """Args: directory: where blocks live (created); capacity_bytes: the most payload bytes kept;
-  fingerprint: what the blocks belong to (``offload_fingerprint``), a subdirectory of its own."""
+  fingerprint: what the blocks belong to (``offload_fingerprint``), a subdirectory of its own;
+  payload_bytes: each group's block bytes, when known: a file of another size is a miss."""
 
   name = "disk"
 
-  def __init__(self, directory: str | os.PathLike, capacity_bytes: int, fingerprint: str):
+  def __init__(self, directory: str | os.PathLike, capacity_bytes: int, fingerprint: str,
+               payload_bytes: dict[int, int] | None = None):
     if capacity_bytes <= 0:
       raise ValueError(f"the disk tier's capacity must be positive, got {capacity_bytes} bytes.")
     if not fingerprint or not all(c in "0123456789abcdef" for c in fingerprint):
@@ -53,10 +63,15 @@ class DiskTier(OffloadTier):
     manifest = self.root / "manifest.json"
     want = {"format": _FORMAT, "fingerprint": fingerprint, "files": "<block hash hex>-g<group id>.blk",
             "header": "8s magic JAXKVBLK, u64 payload bytes, 32-byte sha256 of the payload (little-endian)"}
-    if not manifest.exists():
-      tmp = manifest.with_suffix(".tmp")
+    self.payload_bytes = dict(payload_bytes or {})
+    self.read_only = not os.access(self.root, os.W_OK | os.X_OK)
+    if self.read_only:
+      _log.warning("KV offload directory %s is not writable: its blocks are read, no block is saved", self.root)
+    elif not manifest.exists():
+      tmp = self._tmp_path(manifest)
       tmp.write_text(json.dumps(want, indent=1))
       os.replace(tmp, manifest)
+    self._warned: set[str] = set()
     self._lock = threading.Lock()
     self._entries: collections.OrderedDict[OffloadKey, int] = collections.OrderedDict()
     self.used_bytes = 0
@@ -84,6 +99,15 @@ class DiskTier(OffloadTier):
     except ValueError:
       return None
 
+  @staticmethod
+  def _tmp_path(path: pathlib.Path) -> pathlib.Path:
+    return path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+
+  def _warn_once(self, what: str, path: pathlib.Path, err: OSError) -> None:
+    if what not in self._warned:
+      self._warned.add(what)
+      _log.warning("KV offload disk tier: %s %s failed (%s); the engine goes on without it", what, path, err)
+
   def contains(self, key: OffloadKey) -> bool:
     return key in self._entries
 
@@ -92,7 +116,10 @@ class DiskTier(OffloadTier):
       n = self._entries.pop(key, None)
       if n is not None:
         self.used_bytes -= n
-    self._path(key).unlink(missing_ok=True)
+    try:
+      self._path(key).unlink(missing_ok=True)
+    except OSError as err:
+      self._warn_once("deleting", self._path(key), err)
 
   def get(self, key: OffloadKey) -> np.ndarray | None:
     if key not in self._entries:
@@ -100,7 +127,8 @@ class DiskTier(OffloadTier):
     path = self._path(key)
     try:
       raw = path.read_bytes()
-    except OSError:
+    except OSError as err:
+      self._warn_once("reading", path, err)
       self._forget(key)
       return None
     if len(raw) < _HEADER.size:
@@ -108,13 +136,20 @@ class DiskTier(OffloadTier):
       return None
     magic, size, digest = _HEADER.unpack_from(raw)
     payload = raw[_HEADER.size:]
-    if magic != _MAGIC or size != len(payload) or hashlib.sha256(payload).digest() != digest:
+    want = self.payload_bytes.get(key[1], size)
+    # The size against the layout before the checksum is trusted: a self-consistent file of
+    # another layout's block is no block of this one.
+    if magic != _MAGIC or size != len(payload) or size != want or hashlib.sha256(payload).digest() != digest:
       self._forget(key)
       return None
     with self._lock:
       if key in self._entries:
         self._entries.move_to_end(key)
-    os.utime(path)  # the LRU order survives a restart
+    if not self.read_only:
+      try:
+        os.utime(path)  # the LRU order survives a restart
+      except OSError as err:
+        self._warn_once("touching", path, err)
     return np.frombuffer(payload, np.uint8)
 
   def put(self, keys, rows) -> None:
@@ -122,17 +157,27 @@ class DiskTier(OffloadTier):
     self._pending.append(self._writer.submit(self._write, list(keys), rows))
 
   def _write(self, keys, rows) -> None:
+    if self.read_only:
+      return
     host = np.asarray(rows)  # waits for the device-to-host copy, off the serving thread
     for key, row in zip(keys, host):
       if key in self._entries or row.nbytes > self.capacity_bytes:
         continue
       payload = np.ascontiguousarray(row).tobytes()
       path = self._path(key)
-      tmp = path.with_suffix(".tmp")
-      with open(tmp, "wb") as f:
-        f.write(_HEADER.pack(_MAGIC, len(payload), hashlib.sha256(payload).digest()))
-        f.write(payload)
-      os.replace(tmp, path)
+      tmp = self._tmp_path(path)
+      try:
+        with open(tmp, "wb") as f:
+          f.write(_HEADER.pack(_MAGIC, len(payload), hashlib.sha256(payload).digest()))
+          f.write(payload)
+        os.replace(tmp, path)
+      except OSError as err:  # a skipped save: the block is recomputed when needed
+        self._warn_once("writing", path, err)
+        try:
+          tmp.unlink(missing_ok=True)
+        except OSError:
+          pass
+        continue
       with self._lock:
         self._entries[key] = len(payload)
         self.used_bytes += len(payload)
@@ -145,9 +190,12 @@ class DiskTier(OffloadTier):
           return
         key, n = self._entries.popitem(last=False)
         self.used_bytes -= n
-      self._path(key).unlink(missing_ok=True)
+      try:
+        self._path(key).unlink(missing_ok=True)
+      except OSError as err:
+        self._warn_once("evicting", self._path(key), err)
 
   def flush(self) -> None:
     for f in self._pending:
-      f.result()  # re-raises a failed write (disk full, permissions)
+      f.result()  # write errors are logged and skipped inside; anything else is a bug and raises
     self._pending = []

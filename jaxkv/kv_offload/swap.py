@@ -72,8 +72,9 @@ class SwapSpace:
     saved = self._swapped.pop(request_id)
     self.used_bytes -= self._bytes.pop(request_id)
     for g, (rows, count) in saved.items():
-      if len(block_ids[g]) < count:
-        raise RuntimeError(f"request {request_id!r}: group {g} has {len(block_ids[g])} blocks for {count} swapped.")
+      # A request preempted after rejected drafts held a block for the draft positions; re-admitted,
+      # it allocates for its accepted tokens only: the saved blocks past those hold no token of it.
+      count = min(count, len(block_ids[g]))
       ids = np.full((rows.shape[0],), -1, np.int32)
       ids[:count] = block_ids[g][:count]
       self._in.append((rows, ids, g))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -224,6 +225,15 @@ def load_checkpoint(model_path: str | pathlib.Path, *, dtype=None, check_weights
   if problems:
     raise ValueError(f"checkpoint {model_path} does not match the glm5_next config: " + "; ".join(problems))
   model = nnx.merge(graphdef, nnx.from_flat_state(leaves))
+  if not check_weights:  # one pass on the device: say so once, rather than NaN log-probs later
+    flat = nnx.to_flat_state(nnx.state(model))
+    finite = np.asarray(jax.jit(lambda xs: jnp.stack([jnp.isfinite(x).all() for x in xs]))(
+        [v.get_value() for _, v in flat]))
+    bad = [checkpoint_name(path, config.num_hidden_layers) for (path, _), ok in zip(flat, finite) if not ok]
+    if bad:
+      warnings.warn(f"checkpoint {model_path} has NaN or infinite values in {len(bad)} tensors ({bad[:10]}): "
+                    "outputs will be NaN; --check-weights (check_weights=True) refuses such a checkpoint.",
+                    RuntimeWarning, stacklevel=2)
   return config, model
 
 
