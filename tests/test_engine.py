@@ -4,6 +4,7 @@ reliability at the boundary."""
 import re
 import threading
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -67,7 +68,9 @@ def test_temperature_sampling_follows_the_distribution():
 def test_warmup_compiles_every_bucket_and_writes_nothing():
   engine = LLMEngine(runner(), cfg(max_num_batched_tokens=32, num_speculative_tokens=2, buckets=None))
   rng = np.random.default_rng(0)
-  engine.caches = {k: jnp.asarray(rng.integers(0, 256, v.shape, dtype=np.uint8)) for k, v in engine.caches.items()}
+  # Poisoned caches, placed as the engine places its own (committed to its device).
+  engine.caches = {k: jax.device_put(rng.integers(0, 256, v.shape, dtype=np.uint8), v.sharding)
+                   for k, v in engine.caches.items()}
   before = {k: np.asarray(v) for k, v in engine.caches.items()}
   assert engine.config.token_buckets == (8, 16, 32)
   fresh = engine.num_compilations

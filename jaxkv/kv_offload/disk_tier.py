@@ -14,7 +14,8 @@ recently used files (file modification times order them after a restart).
 
 The disk never stops the engine: a failed read is a miss and a failed write (permissions, full
 disk, a directory removed while serving) a skipped save, each logged once with the path and the
-error. A directory that exists but is not writable is used read-only (said at start-up).
+error. A directory that exists but is not writable is used read-only, and one with less free space
+than the capacity is used as it is; both are said at start-up.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import json
 import logging
 import os
 import pathlib
+import shutil
 import struct
 import threading
 
@@ -67,6 +69,9 @@ class DiskTier(OffloadTier):
     self.read_only = not os.access(self.root, os.W_OK | os.X_OK)
     if self.read_only:
       _log.warning("KV offload directory %s is not writable: its blocks are read, no block is saved", self.root)
+    elif (free := shutil.disk_usage(self.root).free) < capacity_bytes:
+      _log.warning("KV offload directory %s has %.2f GiB free for a %.2f GiB tier: saves past it are skipped",
+                   self.root, free / 2**30, capacity_bytes / 2**30)
     elif not manifest.exists():
       tmp = self._tmp_path(manifest)
       tmp.write_text(json.dumps(want, indent=1))
