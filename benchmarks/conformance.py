@@ -181,7 +181,7 @@ def run_cell(model: str, cell: dict) -> dict:
       row["tokens"] = [r.output_token_ids for r in outs]
       row["logprobs"] = [[[[int(i), float(v)] for i, v in step] for step in r.output_logprobs] for r in outs]
       row["cached_tokens"] = [r.num_cached_tokens for r in outs]
-      row["xla_kernels"] = list(engine._statics.layout.xla_kernels) if hasattr(engine, "_statics") else []
+      row["xla_kernels"] = list(engine._statics.layout.xla_kernels)
       row["warnings"] = sorted({str(w.message)[:200] for w in caught if issubclass(w.category, RuntimeWarning)})
   except Exception as e:  # a cell that cannot start or serve is a failing cell, with its error
     row["error"] = f"{type(e).__name__}: {str(e)[:600]}"
