@@ -26,8 +26,10 @@ the first, so prefix caching hits), 8 greedy tokens each with top-5 log-probabil
 One JSON line per cell goes to ``--out`` (written as it runs: a call stopped at its limit keeps
 what ran); ``--markdown`` prints the table of docs/conformance.md from such a file.
 
-    python benchmarks/conformance.py --out docs/results/conformance-h200.jsonl --models tiny,slice
-    python benchmarks/conformance.py --markdown docs/results/conformance-h200.jsonl
+    for i in 0 1 2 3 4 5; do  # six processes share the GPU; each appends to its own file
+      python benchmarks/conformance.py --shard $i/6 --out conformance-$i.jsonl &
+    done; wait
+    python benchmarks/conformance.py --markdown conformance-*.jsonl
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import os
 import pathlib
 import sys
 import time
@@ -77,8 +80,10 @@ MODELS = {
     "tiny": ("glm-5.3-flash-tiny", {}, 180, 140, 64 << 20, 256, 64, (64,)),
     # The released per-layer dimensions (attention, latent, indexer, KDA, MLP widths); 16 routed
     # experts, a 32k vocabulary and the MTP layer keep building and compiling a cell short.
+    # Its prompts share 16,000 tokens: packed plans scale the block up to 7,424 tokens, and a hit
+    # needs a whole block (two with drafts, which hold the last one back).
     "slice": ("glm-5.3-flash-slice4", {"n_routed_experts": 16, "vocab_size": 32768, "num_nextn_predict_layers": 1},
-              1100, 1040, int(1.75 * 2**30), 2048, 256, (256,)),
+              16384, 16000, int(1.75 * 2**30), 16384 + 64, 256, (256,)),
 }
 NEW_TOKENS = 8
 TIE = 1e-4
@@ -255,19 +260,33 @@ def markdown(rows: list[dict]) -> str:
   return "\n".join(lines) + f"\n\n{ok} of {len(rows)} cells pass.\n"
 
 
+def read_rows(paths) -> list[dict]:
+  return [json.loads(line) for path in paths for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
+
+
+def _key(model: str, cell: dict) -> str:
+  return json.dumps({"model": model, **cell}, sort_keys=True)
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--out", default="conformance.jsonl", help="JSON lines, one per cell, written as they finish")
+  p.add_argument("--out", default="conformance.jsonl",
+                 help="JSON lines, one per cell, appended as they finish; cells already in it are skipped")
   p.add_argument("--models", default="tiny,slice", help="comma-separated: tiny, slice")
   p.add_argument("--time-budget", type=float, default=540.0,
                  help="seconds: no cell starts after this (the device call's limit is 600)")
-  p.add_argument("--start", type=int, default=0, help="skip the first cells (continue a run stopped at its limit)")
+  p.add_argument("--shard", default="0/1", metavar="I/N",
+                 help="run every N-th cell from the I-th (N processes share one GPU; compiles dominate a cell)")
+  p.add_argument("--autotune", action="store_true",
+                 help="let XLA autotune GEMMs (its choice is timed, so it may differ between processes); "
+                      "by default --xla_gpu_deterministic_ops makes every process compute the same bits")
   p.add_argument("--list", action="store_true", help="print the cells and exit")
-  p.add_argument("--markdown", metavar="JSONL", help="print the table of a finished run and exit")
+  p.add_argument("--markdown", metavar="JSONL", nargs="+", help="print the table of finished runs and exit")
   args = p.parse_args(argv)
   if args.markdown:
-    rows = [json.loads(line) for line in pathlib.Path(args.markdown).read_text().splitlines() if line.strip()]
-    print(markdown(compare([r for r in rows if "model" in r])))
+    rows = {_key(r["model"], {k: r[k] for k in SPACE}): r for r in read_rows(args.markdown) if "model" in r}
+    order = {_key(m, c): i for i, (m, c) in enumerate((m, c) for m in MODELS for c in all_cells())}
+    print(markdown(compare(sorted(rows.values(), key=lambda r: order.get(_key(r["model"], {k: r[k] for k in SPACE}), -1)))))
     return 0
   cells = all_cells()
   if args.list:
@@ -275,24 +294,33 @@ def main(argv=None) -> int:
       print(json.dumps(c))
     print(f"{len(cells)} cells per model", file=sys.stderr)
     return 0
+  shard, num_shards = (int(x) for x in args.shard.split("/"))
+  if not 0 <= shard < num_shards:
+    raise SystemExit(f"--shard {args.shard}: want I/N with 0 <= I < N")
+  if not args.autotune:  # read when the backend starts, so before the first jax call
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_deterministic_ops=true").strip()
   import jax
 
+  out = pathlib.Path(args.out)
+  done = {_key(r["model"], {k: r[k] for k in SPACE}) for r in (read_rows([out]) if out.exists() else []) if "model" in r}
+  todo = [(m, c) for m in args.models.split(",") for c in cells][shard::num_shards]
+  todo = [(m, c) for m, c in todo if _key(m, c) not in done]
   start = time.perf_counter()
   rows = []
-  with open(args.out, "w") as f:
-    f.write(json.dumps({"device": str(jax.devices()[0].device_kind), "jax": jax.__version__}) + "\n")
-    for model in args.models.split(","):
-      for i, cell in list(enumerate(cells))[args.start:]:
-        if time.perf_counter() - start > args.time_budget:
-          print(f"time budget reached: {model} cell {i} of {len(cells)} not started", file=sys.stderr)
-          break
-        row = run_cell(model, cell)
-        rows.append(row)
-        f.write(json.dumps({k: v for k, v in row.items() if k != "traceback"} | {"traceback": row.get("traceback")})
-                + "\n")
-        f.flush()
-        print(f"[{time.perf_counter() - start:6.1f}s] {model} {cell} -> "
-              f"{row.get('error') or 'ok'} ({row['seconds']} s)", file=sys.stderr, flush=True)
+  with open(out, "a") as f:
+    f.write(json.dumps({"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+                        "xla_flags": os.environ.get("XLA_FLAGS", "")}) + "\n")
+    for i, (model, cell) in enumerate(todo):
+      if time.perf_counter() - start > args.time_budget:
+        print(f"time budget reached: {len(todo) - i} cells of shard {args.shard} not started", file=sys.stderr)
+        break
+      row = run_cell(model, cell)
+      rows.append(row)
+      f.write(json.dumps({k: v for k, v in row.items() if k != "traceback"} | {"traceback": row.get("traceback")})
+              + "\n")
+      f.flush()
+      print(f"[{time.perf_counter() - start:6.1f}s] {model} {cell} -> "
+            f"{row.get('error') or 'ok'} ({row['seconds']} s)", file=sys.stderr, flush=True)
   print(markdown(compare(rows)))
   return 0
 
