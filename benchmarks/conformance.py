@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import itertools
 import json
 import os
@@ -80,10 +81,10 @@ MODELS = {
     "tiny": ("glm-5.3-flash-tiny", {}, 180, 140, 64 << 20, 256, 64, (64,)),
     # The released per-layer dimensions (attention, latent, indexer, KDA, MLP widths); 16 routed
     # experts, a 32k vocabulary and the MTP layer keep building and compiling a cell short.
-    # Its prompts share 16,000 tokens: packed plans scale the block up to 7,424 tokens, and a hit
+    # Its prompts share 8,448 tokens: packed plans scale the block up to 7,424 tokens, and a hit
     # needs a whole block (two with drafts, which hold the last one back).
     "slice": ("glm-5.3-flash-slice4", {"n_routed_experts": 16, "vocab_size": 32768, "num_nextn_predict_layers": 1},
-              16384, 16000, int(1.75 * 2**30), 16384 + 64, 256, (256,)),
+              8704, 8448, int(1.75 * 2**30), 8704 + 64, 512, (512,)),
 }
 NEW_TOKENS = 8
 TIE = 1e-4
@@ -154,6 +155,7 @@ def runner_for(model: str, dtype: str, implementation: str):
   from models.glm5_next.runner import FAMILY
 
   if (model, dtype) not in _RUNNERS:
+    _RUNNERS.clear()  # one set of weights at a time: processes share the GPU's memory
     name, overrides, *_ = MODELS[model]
     config = dataclasses.replace(get_config(name), **overrides)
     _RUNNERS[model, dtype] = FAMILY.from_random(config, dtype=dtype, seed=0, implementation="xla")
@@ -304,7 +306,8 @@ def main(argv=None) -> int:
   out = pathlib.Path(args.out)
   done = {_key(r["model"], {k: r[k] for k in SPACE}) for r in (read_rows([out]) if out.exists() else []) if "model" in r}
   todo = [(m, c) for m in args.models.split(",") for c in cells][shard::num_shards]
-  todo = [(m, c) for m, c in todo if _key(m, c) not in done]
+  # Grouped by weights, so that each process builds each model's weights once per dtype.
+  todo = sorted(((m, c) for m, c in todo if _key(m, c) not in done), key=lambda mc: (mc[0], mc[1]["dtype"]))
   start = time.perf_counter()
   rows = []
   with open(out, "a") as f:
@@ -315,6 +318,8 @@ def main(argv=None) -> int:
         print(f"time budget reached: {len(todo) - i} cells of shard {args.shard} not started", file=sys.stderr)
         break
       row = run_cell(model, cell)
+      gc.collect()  # the cell's engine, its caches and executables go before the next one is built
+      jax.clear_caches()
       rows.append(row)
       f.write(json.dumps({k: v for k, v in row.items() if k != "traceback"} | {"traceback": row.get("traceback")})
               + "\n")
