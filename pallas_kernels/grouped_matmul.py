@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,14 @@ def _tokamax_available() -> bool:
   return importlib.util.find_spec("tokamax") is not None
 
 
+@functools.cache  # once per process
+def _warn_no_tokamax() -> None:
+  warnings.warn("the MoE's grouped matmul runs as XLA's ragged_dot on this GPU because tokamax is not "
+                "installed; ragged_dot reads every expert's weights each step (4.5x slower decode at batch 1 "
+                "on the H200, docs/performance.md). Install the '.[cuda13]' or '.[cuda12]' extra.",
+                RuntimeWarning, stacklevel=3)
+
+
 def resolve_implementation(implementation: str, dtype=jnp.bfloat16) -> str:
   """The implementation ``implementation`` runs as (``"auto"`` resolved)."""
   if implementation not in GROUPED_MATMUL_IMPLEMENTATIONS:
@@ -44,7 +53,12 @@ def resolve_implementation(implementation: str, dtype=jnp.bfloat16) -> str:
                      f"got {implementation!r}.")
   if implementation == "auto":
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    return "tokamax" if half and jax.default_backend() in ("gpu", "cuda") and _tokamax_available() else "xla"
+    if not (half and jax.default_backend() in ("gpu", "cuda")):
+      return "xla"
+    if not _tokamax_available():
+      _warn_no_tokamax()
+      return "xla"
+    return "tokamax"
   if implementation == "tokamax" and not _tokamax_available():
     raise ValueError("implementation='tokamax' needs the tokamax package (pip install tokamax, or the "
                      "'.[cuda13]' extra); use 'xla'.")

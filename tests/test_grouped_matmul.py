@@ -3,6 +3,8 @@
 CI runs the XLA path (the CPU reference); on a GPU with tokamax installed the Mosaic GPU kernel is
 checked by the same tests (docs/performance.md says where it ran)."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,3 +57,17 @@ def test_rows_past_the_groups_are_zero_and_errors_name_shapes():
   with pytest.raises(ValueError, match="must be one of"):
     grouped_matmul(lhs, rhs, sizes, implementation="cuda")
   assert resolve_implementation("auto", jnp.float32) == "xla"  # float32 runs stay exact everywhere
+
+
+def test_auto_on_a_gpu_without_tokamax_warns_once(monkeypatch):
+  import pallas_kernels.grouped_matmul as gm
+
+  monkeypatch.setattr(gm.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(gm, "_tokamax_available", lambda: False)
+  gm._warn_no_tokamax.cache_clear()
+  with pytest.warns(RuntimeWarning, match="tokamax is not installed"):
+    assert resolve_implementation("auto", jnp.bfloat16) == "xla"
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # said once per process
+    assert resolve_implementation("auto", jnp.bfloat16) == "xla"
+    assert resolve_implementation("auto", jnp.float32) == "xla"  # float32 never asks for tokamax
