@@ -182,7 +182,7 @@ def run_cell(model: str, cell: dict) -> dict:
       row["manager_block_size"] = engine.plan.block_size  # packed plans may scale the block up
       warm = engine.warmup()
       row["warmup_s"] = round(time.perf_counter() - t0, 2)
-      sampling = SamplingParams(max_new_tokens=NEW_TOKENS, logprobs=5)
+      sampling = SamplingParams(max_tokens=NEW_TOKENS, logprobs=5)
       outs = [engine.generate([p], sampling)[0] for p in prompts(model)]
       row["compiled_after_warmup"] = engine.num_compilations - warm
       row["tokens"] = [r.output_token_ids for r in outs]

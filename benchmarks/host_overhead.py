@@ -57,7 +57,7 @@ def main() -> int:
   engine.warmup()
   rng = np.random.default_rng(0)
   reqs = [engine.add_request(f"r{i}", [int(t) for t in rng.integers(1, config.vocab_size, args.context)],
-                             SamplingParams(max_new_tokens=3 * args.steps)) for i in range(args.batch)]
+                             SamplingParams(max_tokens=3 * args.steps)) for i in range(args.batch)]
   while not all(r.output_token_ids for r in reqs):
     engine.step()
   for _ in range(10):

@@ -37,7 +37,7 @@ def serve(hf_model, prompts, kv_cache_dtype: str, new_tokens: int):
   config = EngineConfig(cache=CacheConfig(kv_cache_dtype=kv_cache_dtype), max_num_reqs=len(prompts),
                         max_num_batched_tokens=256, buckets=(256,))
   engine = LLMEngine(Glm5NextRunner.from_model(hf_model), config)
-  reqs = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, logprobs=5))
+  reqs = engine.generate(prompts, SamplingParams(max_tokens=new_tokens, logprobs=5))
   return [(r.output_token_ids, r.output_logprobs) for r in reqs]
 
 

@@ -68,7 +68,7 @@ def main() -> int:
   def first_token(e: LLMEngine, prompt) -> tuple[float, object]:
     """Seconds from admission to the first token read back, and the request."""
     e.wait_for_save()  # earlier saves are not this request's time
-    req = e.add_request(f"r{time.perf_counter_ns()}", prompt, SamplingParams(max_new_tokens=2))
+    req = e.add_request(f"r{time.perf_counter_ns()}", prompt, SamplingParams(max_tokens=2))
     t0 = time.perf_counter()
     while not req.output_token_ids:
       e.step()

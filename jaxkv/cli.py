@@ -244,12 +244,12 @@ def cmd_generate(args) -> int:
   family, config = _model_config(args)
   prompts = _prompts(args, config)
   max_len = args.max_model_len or min(config.max_position_embeddings,
-                                      max(len(p) for p in prompts) + args.max_new_tokens)
+                                      max(len(p) for p in prompts) + args.max_tokens)
   engine = _engine(args, family, config, max_len)
-  sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+  sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed, logprobs=args.logprobs,
                             stop_token_ids=tuple(config.eos_token_id) if args.stop_at_eos else ())
-  total = len(prompts) * args.max_new_tokens
+  total = len(prompts) * args.max_tokens
   done = [0]
 
   def progress(eng, outs):
@@ -471,7 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
   src.add_argument("--prompt", help="text, encoded with the checkpoint's tokenizer.json")
   src.add_argument("--batch-file", help="JSON list of token-id lists, one request each")
   g.add_argument("--batch", type=_positive, default=None, help="copies of the prompt (default 1)")
-  g.add_argument("--max-new-tokens", type=_positive, default=8, help="tokens to generate per request")
+  g.add_argument("--max-tokens", type=_positive, default=8, help="tokens to generate per request")
   g.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampling with --top-p")
   g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --temperature > 0)")
   g.add_argument("--logprobs", type=int, default=0, help="top-k log-probabilities per token (up to 20)")

@@ -45,7 +45,7 @@ def _swap_run(engine, runner, c: dict, vocab: int) -> dict:
 
   rng = np.random.default_rng(8)
   prompts = [[int(t) for t in rng.integers(1, vocab, n)] for n in (2 * 128 - 4, 2 * 128 - 6, 2 * 128 - 3)]
-  sampling = SamplingParams(max_new_tokens=8, logprobs=5)  # each crosses into its third block
+  sampling = SamplingParams(max_tokens=8, logprobs=5)  # each crosses into its third block
   state_blocks = engine.plan.blocks_per_request(1) - 1  # KDA groups + tail ring
   tight = (1 + 3 * (state_blocks + 2) + 1) * engine.plan.bytes_per_block
   swapping = LLMEngine(runner, EngineConfig(
@@ -83,7 +83,7 @@ def main() -> int:
 
   expected = json.loads((FIXTURE / "expected.json").read_text())
   prompts = expected["prompts"]
-  sampling = SamplingParams(max_new_tokens=len(expected["greedy"][0]), logprobs=5)
+  sampling = SamplingParams(max_tokens=len(expected["greedy"][0]), logprobs=5)
   out = {"process_count": jax.process_count(), "device_count": jax.device_count(), "hf_greedy":
          [[s["token"] for s in steps] for steps in expected["greedy"]], "runs": {}}
   for name in args.configs.split(","):
@@ -125,7 +125,7 @@ def main() -> int:
     if c["mtp"]:
       rng = np.random.default_rng(0)
       reqs = engine.generate([[int(t) for t in rng.integers(1, 256, n)] for n in (13, 27, 5, 19)],
-                             SamplingParams(max_new_tokens=8, logprobs=5))
+                             SamplingParams(max_tokens=8, logprobs=5))
     else:
       reqs = engine.generate(prompts, sampling)
     run = out["runs"][name] = {"tokens": [r.output_token_ids for r in reqs], "top5": _top5(reqs),

@@ -66,7 +66,7 @@ def test_step_maps_kernel_blocks_through_the_attention_groups(monkeypatch):
   assert spec == StepMetadataSpec.from_plan(engine.plan, implementation="xla")
   assert [a for a, _ in split] == list(spec.mapped_groups)
   for i, p in enumerate(prompts()):
-    engine.add_request(str(i), p, SamplingParams(max_new_tokens=8))
+    engine.add_request(str(i), p, SamplingParams(max_tokens=8))
   engine.step()
   # Once per group with a split or a compressed cache (the pooled keys' slots read its table).
   mapped = [(ag.blocks_per_kernel_block, ag.stride) for ag in spec.attention_groups if ag.mapped or ag.compressed]
@@ -88,7 +88,7 @@ def test_inspect_and_the_engine_print_the_same_plan(capsys):
   assert main(["inspect", *opts]) == 0
   inspected = capsys.readouterr().out
   assert "+ the MTP layer" in inspected and "request needs" in inspected
-  assert main(["generate", *opts, "--max-new-tokens", "1", "--print-plan"]) == 0
+  assert main(["generate", *opts, "--max-tokens", "1", "--print-plan"]) == 0
   assert inspected in capsys.readouterr().err
   assert main(["inspect", *opts, "--memory-gib", "0.0001"]) == 2
   err = capsys.readouterr().err
@@ -100,9 +100,9 @@ def test_equal_engines_share_compiled_steps():
   assert other == runner() and hash(other) == hash(runner())
   a, b = LLMEngine(runner(), cfg()), LLMEngine(other, cfg())
   assert a._statics is b._statics
-  a.generate([prompts()[0]], SamplingParams(max_new_tokens=2))
+  a.generate([prompts()[0]], SamplingParams(max_tokens=2))
   compiled = a.num_compilations
-  out = b.generate([prompts()[0]], SamplingParams(max_new_tokens=2))
+  out = b.generate([prompts()[0]], SamplingParams(max_tokens=2))
   assert b.num_compilations == compiled and len(out[0].output_token_ids) == 2
 
 

@@ -48,13 +48,13 @@ def test_a_foreign_models_package_on_the_path_is_named_not_imported(tmp_path):
 
 
 def test_generate_json_on_the_embedded_model(capsys):
-  assert main(["generate", "--prompt-ids", "5,6,7,8,9,10", "--batch", "2", "--max-new-tokens", "3", "--logprobs",
+  assert main(["generate", "--prompt-ids", "5,6,7,8,9,10", "--batch", "2", "--max-tokens", "3", "--logprobs",
                "2", "--json"]) == 0
   out = json.loads(capsys.readouterr().out)
   a, b = out["requests"]
   assert len(a["output_token_ids"]) == 3 and a["output_token_ids"] == b["output_token_ids"]
   assert len(a["logprobs"][0]) == 2 and a["logprobs"][0][0][0] == a["output_token_ids"][0]
-  assert main(["generate", "--prompt-ids", "5,6,7,8,9,10", "--max-new-tokens", "3", "--num-spec", "2", "--json"]) == 0
+  assert main(["generate", "--prompt-ids", "5,6,7,8,9,10", "--max-tokens", "3", "--num-spec", "2", "--json"]) == 0
   spec = json.loads(capsys.readouterr().out)
   assert spec["requests"][0]["output_token_ids"] == a["output_token_ids"] and spec["draft_tokens"] > 0
   assert "random weights" in spec["acceptance_note"]  # why (almost) no draft is accepted
@@ -116,7 +116,7 @@ def test_a_model_larger_than_the_machine_is_refused_before_it_is_built(capsys, m
   gib = float(err.split("needs ")[1].split(" GiB")[0])
   assert 550 < gib < 700  # the released model in bf16 (about 305 B parameters)
   # What fits is built as before.
-  assert main(["generate", "--max-new-tokens", "1", "--json"]) == 0
+  assert main(["generate", "--max-tokens", "1", "--json"]) == 0
 
 
 def test_readme_python_examples_run(capsys):
@@ -169,7 +169,7 @@ def test_every_flag_has_help_and_the_cache_flags_come_from_one_place():
 def test_generate_and_bench_with_prefix_caching(capsys, tmp_path):
   ids = ",".join(str(1 + (i * 7) % 200) for i in range(140))
   argv = ["generate", "--prompt-ids", ids, "--batch", "2", "--max-num-reqs", "1", "--block-size", "128",
-          "--max-new-tokens", "2", "--logprobs", "2", "--json", "--max-num-batched-tokens", "128", "--buckets", "128",
+          "--max-tokens", "2", "--logprobs", "2", "--json", "--max-num-batched-tokens", "128", "--buckets", "128",
           "--max-model-len", "256"]  # one plan and one bucket for every run below: one compilation
   assert main(argv) == 0
   cold = json.loads(capsys.readouterr().out)["requests"]

@@ -17,8 +17,8 @@ from test_engine_equivalence import LLMEngine, cfg, prompts, runner
 def test_abort_frees_everything_and_others_continue(async_scheduling):
   engine = LLMEngine(runner(), cfg(async_scheduling=async_scheduling))
   initial = engine.kv.num_free_blocks
-  a = engine.add_request("a", prompts()[0], SamplingParams(max_new_tokens=6))
-  b = engine.add_request("b", prompts()[1], SamplingParams(max_new_tokens=6))
+  a = engine.add_request("a", prompts()[0], SamplingParams(max_tokens=6))
+  b = engine.add_request("b", prompts()[1], SamplingParams(max_tokens=6))
   engine.step()
   engine.abort("a")  # async: a's first token is still in flight, and is dropped with it
   assert a.status == RequestStatus.ABORTED and a.row == -1
@@ -32,8 +32,8 @@ def test_abort_frees_everything_and_others_continue(async_scheduling):
 
 def test_stop_token_ends_a_request():
   engine = LLMEngine(runner(), cfg())
-  first = engine.generate([prompts()[0]], SamplingParams(max_new_tokens=4))[0].output_token_ids
-  stopped = engine.generate([prompts()[0]], SamplingParams(max_new_tokens=4, stop_token_ids=(first[1],)))[0]
+  first = engine.generate([prompts()[0]], SamplingParams(max_tokens=4))[0].output_token_ids
+  stopped = engine.generate([prompts()[0]], SamplingParams(max_tokens=4, stop_token_ids=(first[1],)))[0]
   assert stopped.output_token_ids == first[:2] and stopped.finish_reason == "stop"
 
 
@@ -42,7 +42,7 @@ def test_bad_requests_are_refused_with_their_values():
   with pytest.raises(ValueError, match=r"prompt token 1 is 999; token ids are integers in \[0, 256\)"):
     engine.add_request("x", [1, 999])
   with pytest.raises(ValueError, match="60 prompt \\+ 8 new tokens exceed max_model_len 64"):
-    engine.add_request("y", list(range(1, 61)), SamplingParams(max_new_tokens=8))
+    engine.add_request("y", list(range(1, 61)), SamplingParams(max_tokens=8))
   engine.add_request("z", [1, 2, 3])
   with pytest.raises(ValueError, match="already in use"):
     engine.add_request("z", [1, 2, 3])
@@ -55,11 +55,11 @@ def test_bad_requests_are_refused_with_their_values():
 def test_temperature_sampling_follows_the_distribution():
   # With top_p tiny, sampling must pick the argmax: only the first token survives the nucleus.
   engine = LLMEngine(runner(), cfg())
-  greedy = engine.generate([prompts()[2]], SamplingParams(max_new_tokens=3))[0].output_token_ids
-  nucleus = engine.generate([prompts()[2]], SamplingParams(max_new_tokens=3, temperature=1.5, top_p=1e-6,
+  greedy = engine.generate([prompts()[2]], SamplingParams(max_tokens=3))[0].output_token_ids
+  nucleus = engine.generate([prompts()[2]], SamplingParams(max_tokens=3, temperature=1.5, top_p=1e-6,
                                                            seed=3))[0].output_token_ids
   assert nucleus == greedy
-  hot = [engine.generate([prompts()[2]], SamplingParams(max_new_tokens=3, temperature=5.0, seed=s))[0].output_token_ids
+  hot = [engine.generate([prompts()[2]], SamplingParams(max_tokens=3, temperature=5.0, seed=s))[0].output_token_ids
          for s in range(4)]
   assert len({tuple(h) for h in hot}) > 1
   assert all(0 <= t < 256 for h in hot for t in h)
@@ -78,7 +78,7 @@ def test_warmup_compiles_every_bucket_and_writes_nothing():
   assert 0 <= warm - fresh <= 3
   for k, v in engine.caches.items():
     assert np.array_equal(np.asarray(v), before[k]), k
-  engine.generate(prompts(), SamplingParams(max_new_tokens=6))
+  engine.generate(prompts(), SamplingParams(max_tokens=6))
   assert engine.num_compilations == warm
 
 
@@ -87,9 +87,9 @@ def test_async_steps_return_the_step_before_and_schedule_nothing_past_the_end():
   request's next decode token comes from the device, and a request whose last token is in
   flight is not scheduled again."""
   sync = LLMEngine(runner(), cfg(async_scheduling=False))
-  want = sync.generate([prompts()[0]], SamplingParams(max_new_tokens=3, logprobs=2))[0]
+  want = sync.generate([prompts()[0]], SamplingParams(max_tokens=3, logprobs=2))[0]
   engine = LLMEngine(runner(), cfg())
-  req = engine.add_request("a", prompts()[0], SamplingParams(max_new_tokens=3, logprobs=2))
+  req = engine.add_request("a", prompts()[0], SamplingParams(max_tokens=3, logprobs=2))
   streamed = [engine.step() for _ in range(4)]
   assert [len(o) for o in streamed] == [0, 1, 1, 1]
   assert [o[0].new_token_ids[0] for o in streamed[1:]] == want.output_token_ids
@@ -102,17 +102,28 @@ def test_async_steps_return_the_step_before_and_schedule_nothing_past_the_end():
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(seed=2**31), r"seed must be in \[0, 2\*\*31\), got 2147483648"),
-    (dict(seed=-1), "seed must be in"),
+    (dict(seed=2**31), r"seed must be None or an integer in \[0, 2\*\*31\), got 2147483648"),
+    (dict(seed=-1), "seed must be None or an integer in"),
     (dict(temperature=float("nan")), "temperature must be a finite number, got nan"),
     (dict(top_p="1"), "top_p must be a finite number"),
-    (dict(max_new_tokens=2.5), "max_new_tokens must be an integer, got 2.5"),
+    (dict(max_tokens=2.5), "max_tokens must be an integer, got 2.5"),
     (dict(logprobs=True), "logprobs must be an integer, got True"),
-    (dict(stop_token_ids=[1]), "stop_token_ids must be a tuple"),
+    (dict(stop_token_ids=[1, "2"]), "stop_token_ids must be a sequence of integer token ids"),
+    (dict(stop_token_ids=3), "stop_token_ids must be a sequence"),
+    (dict(top_k=-2), "top_k must be 0 or -1"),
+    (dict(n=0), "n must be >= 1, got 0"),
+    (dict(stop=["ok", ""]), "stop must be a string or a sequence of non-empty strings"),
+    (dict(prompt_logprobs=1), "prompt_logprobs is not supported"),
 ])
 def test_sampling_values_are_checked(kw, message):
   with pytest.raises(ValueError, match=message):
     SamplingParams(**kw)
+
+
+def test_sampling_params_take_vllm_forms():
+  s = SamplingParams(stop_token_ids=[3, np.int64(4)], stop="END", top_k=-1, logprobs=None)
+  assert s.stop_token_ids == (3, 4) and s.stop == ("END",) and s.top_k == 0 and s.logprobs == 0
+  assert SamplingParams(stop=["a", "b"]).stop == ("a", "b") and SamplingParams().seed is None
 
 
 def test_token_ids_are_integers_in_the_vocabulary():
@@ -130,13 +141,13 @@ def test_a_failing_generate_admits_nothing():
   with pytest.raises(ValueError, match="'gen-0-1': the prompt is empty"):
     engine.generate([[1, 2, 3], []])
   assert not engine.has_unfinished()
-  assert [len(r.output_token_ids) for r in engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))] == [2]
+  assert [len(r.output_token_ids) for r in engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2))] == [2]
 
 
 def test_finished_requests_leave_the_engine_and_their_ids_are_reused():
   engine = LLMEngine(runner(), cfg())
   for _ in range(3):
-    reqs = [engine.add_request(f"r{i}", prompts()[i % 4], SamplingParams(max_new_tokens=2)) for i in range(5)]
+    reqs = [engine.add_request(f"r{i}", prompts()[i % 4], SamplingParams(max_tokens=2)) for i in range(5)]
     engine.abort("r4")
     while engine.has_unfinished():
       engine.step()
@@ -148,12 +159,12 @@ def test_finished_requests_leave_the_engine_and_their_ids_are_reused():
 def test_a_request_that_cannot_be_laid_out_ends_alone(async_scheduling):
   """A request whose step input fails to pack (a seed past int32, slipped past the check as a host
   bug could) ends with reason "error" and its blocks freed; the others' tokens are unchanged."""
-  sampling = SamplingParams(max_new_tokens=4, logprobs=5)
+  sampling = SamplingParams(max_tokens=4, logprobs=5)
   want = LLMEngine(runner(), cfg()).generate(prompts(), sampling)
   engine = LLMEngine(runner(), cfg(async_scheduling=async_scheduling))
   initial = engine.kv.num_free_blocks
   reqs = [engine.add_request(str(i), p, sampling) for i, p in enumerate(prompts())]
-  bad = engine.add_request("bad", prompts()[1], SamplingParams(max_new_tokens=4, seed=1))
+  bad = engine.add_request("bad", prompts()[1], SamplingParams(max_tokens=4, seed=1))
   object.__setattr__(bad.sampling, "seed", 2**31)
   outputs = []
   while engine.has_unfinished():
@@ -169,8 +180,8 @@ def test_a_request_that_cannot_be_laid_out_ends_alone(async_scheduling):
 
 def test_abort_from_another_thread_waits_for_the_step_in_progress():
   engine = LLMEngine(runner(), cfg(async_scheduling=False))
-  a = engine.add_request("a", prompts()[0], SamplingParams(max_new_tokens=6))
-  b = engine.add_request("b", prompts()[1], SamplingParams(max_new_tokens=6))
+  a = engine.add_request("a", prompts()[0], SamplingParams(max_tokens=6))
+  b = engine.add_request("b", prompts()[1], SamplingParams(max_tokens=6))
   read_back, aborter = engine._read_back, threading.Thread(target=engine.abort, args=("a",))
 
   def read_back_while_aborting(out):
@@ -186,7 +197,7 @@ def test_abort_from_another_thread_waits_for_the_step_in_progress():
   assert a.status == RequestStatus.ABORTED and len(a.output_token_ids) == 1  # the step finished first
   while engine.has_unfinished():
     engine.step()
-  alone = LLMEngine(runner(), cfg()).generate([prompts()[1]], SamplingParams(max_new_tokens=6))[0]
+  alone = LLMEngine(runner(), cfg()).generate([prompts()[1]], SamplingParams(max_tokens=6))[0]
   assert b.output_token_ids == alone.output_token_ids
 
 
@@ -209,7 +220,7 @@ def test_a_soak_leaves_the_host_structures_as_they_were(rounds, per_round):
   tracemalloc.start()
   memory = []
   for round_ in range(rounds):
-    reqs = [engine.add_request(f"{round_}-{i}", list(rng.integers(1, 256, 3)), SamplingParams(max_new_tokens=1))
+    reqs = [engine.add_request(f"{round_}-{i}", list(rng.integers(1, 256, 3)), SamplingParams(max_tokens=1))
             for i in range(per_round)]
     for r in reqs[::50]:
       engine.abort(r.request_id)

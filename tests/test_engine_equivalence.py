@@ -33,7 +33,7 @@ from models.glm5_next.runner import Glm5NextRunner
 CFG = get_config("glm-5.3-flash-tiny")
 PROMPT_LENS = (13, 27, 5, 19)
 NEW = 5
-SAMPLING = SamplingParams(max_new_tokens=NEW, logprobs=5)
+SAMPLING = SamplingParams(max_tokens=NEW, logprobs=5)
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,7 +116,7 @@ def test_preemption_and_recompute_change_nothing():
   """Requests that grow past a 128-token block while the pool is full are preempted and recomputed."""
   rng = np.random.default_rng(9)
   long_prompts = [list(rng.integers(1, 256, n)) for n in (124, 122, 126)]
-  sampling = SamplingParams(max_new_tokens=12, logprobs=5)
+  sampling = SamplingParams(max_tokens=12, logprobs=5)
 
   def generate(config):
     engine = LLMEngine(runner(), config)
@@ -144,7 +144,7 @@ def assert_close_runs(got, want, atol):
 
 
 def test_eager_within_tolerance_of_jit():
-  sampling = SamplingParams(max_new_tokens=2, logprobs=5)
+  sampling = SamplingParams(max_tokens=2, logprobs=5)
   jit_out, _ = run(cfg(), sampling=sampling)
   eager_out, _ = run(cfg(), eager=True, sampling=sampling)
   assert_close_runs(eager_out, jit_out, atol=1e-5)
@@ -169,18 +169,18 @@ def test_engine_greedy_matches_reference_forward():
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent():
-  sampling = SamplingParams(max_new_tokens=4, temperature=0.8, top_p=0.9, seed=7)
+  sampling = SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, seed=7)
   batched, _ = run(cfg(), sampling=sampling)
   alone, _ = run(cfg(), alone=True, sampling=sampling)
   assert [t for t, _ in batched] == [t for t, _ in alone]
-  other, _ = run(cfg(), sampling=SamplingParams(max_new_tokens=4, temperature=0.8, top_p=0.9, seed=8))
+  other, _ = run(cfg(), sampling=SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, seed=8))
   assert [t for t, _ in other] != [t for t, _ in batched]
 
 
 def test_steady_decoding_does_not_compile():
   engine = LLMEngine(runner(), cfg(buckets=None))
   for i, p in enumerate(prompts()):
-    engine.add_request(str(i), p, SamplingParams(max_new_tokens=12))
+    engine.add_request(str(i), p, SamplingParams(max_tokens=12))
   engine.step()  # prefill
   engine.step()  # first decode step: the 8-token bucket
   warm = engine.num_compilations
@@ -196,6 +196,6 @@ def test_engine_matches_hf_greedy(name):
   _, hf_model = load_checkpoint(path, dtype=jax.numpy.float32, check_weights=True)
   expected = json.loads((path / "expected.json").read_text())
   engine = LLMEngine(Glm5NextRunner.from_model(hf_model), cfg())
-  reqs = engine.generate(expected["prompts"], SamplingParams(max_new_tokens=len(expected["greedy"][0])))
+  reqs = engine.generate(expected["prompts"], SamplingParams(max_tokens=len(expected["greedy"][0])))
   for r, steps in zip(reqs, expected["greedy"]):
     assert r.output_token_ids == [s["token"] for s in steps]

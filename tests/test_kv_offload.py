@@ -172,7 +172,7 @@ def test_swap_preempted_requests_produce_what_they_produce_unpreempted(k):
   tight = (1 + 3 * (state_blocks + 2) + 1) * probe.plan.bytes_per_block
   rng = np.random.default_rng(8)
   ps = [[int(t) for t in rng.integers(1, 256, n)] for n in (2 * BS - 4, 2 * BS - 6, 2 * BS - 3)]
-  sampling = SamplingParams(max_new_tokens=8, logprobs=5)  # each crosses into its third block
+  sampling = SamplingParams(max_tokens=8, logprobs=5)  # each crosses into its third block
   roomy = [result(r) for r in engine(k=k).generate(ps, sampling)]
   # Async steps: the preempted request's last token is still in flight when it is swapped out.
   e = engine(memory_bytes=tight, preemption_mode="swap", k=k)
@@ -369,7 +369,7 @@ def test_randomized_tier_stress(tier, tmp_path):
     target = 2 * BS - int(rng.integers(2, 6))
     share = int(rng.integers(BS - 8, target - 1))
     prompts_.append(bases[int(rng.integers(2))][:share] + [int(t) for t in rng.integers(1, 256, target - share)])
-  sampling = SamplingParams(max_new_tokens=6)
+  sampling = SamplingParams(max_tokens=6)
   alone = [r.output_token_ids for r in engine(k=2).generate(prompts_, sampling)]
   probe = engine(k=2)
   tight = (1 + 3 * (probe.plan.blocks_per_request(1) + 1) + 1) * probe.plan.bytes_per_block

@@ -22,7 +22,7 @@ from models.glm5_next import get_kv_cache_layers
 from test_engine_equivalence import CFG, runner
 
 BS = 128  # the tiny model's smallest block (indexer pages of 32 x kpool 4)
-SAMPLING = SamplingParams(max_new_tokens=4, logprobs=5)
+SAMPLING = SamplingParams(max_tokens=4, logprobs=5)
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,7 +100,7 @@ def test_preemption_with_prefix_caching_changes_nothing():
   tight = (per_request * 2 + 2) * probe.plan.bytes_per_block
   rng = np.random.default_rng(5)
   ps = [[int(t) for t in rng.integers(1, 256, n)] for n in (2 * BS + 120, 2 * BS + 118, 2 * BS + 121)]
-  sampling = SamplingParams(max_new_tokens=12, logprobs=5)
+  sampling = SamplingParams(max_tokens=12, logprobs=5)
 
   def generate(caching, memory):
     cache = CacheConfig(block_size=BS, max_model_len=512, memory_bytes=memory)

@@ -31,7 +31,7 @@ from models.glm5_next import Glm5NextForCausalLM, get_kv_cache_layers
 from models.glm5_next.runner import Glm5NextRunner
 from test_engine_equivalence import CFG, LLMEngine, assert_close_runs, baseline, cfg, model, prompts, run, runner
 
-LONG = SamplingParams(max_new_tokens=12, logprobs=5)
+LONG = SamplingParams(max_tokens=12, logprobs=5)
 
 
 class ForcedDraftEngine(LLMEngine):
@@ -72,7 +72,7 @@ def test_without_index_sharing():
   no_share = nnx.merge(*nnx.split(model()))  # a second module on the same weights
   no_share.config = dataclasses.replace(CFG, index_share_for_mtp_iteration=False)
   engine = LLMEngine(Glm5NextRunner.from_model(no_share), cfg(num_speculative_tokens=3))
-  reqs = engine.generate(prompts(), SamplingParams(max_new_tokens=5, logprobs=5))
+  reqs = engine.generate(prompts(), SamplingParams(max_tokens=5, logprobs=5))
   assert engine.num_draft_tokens > 0
   assert_close_runs([(r.output_token_ids, r.output_logprobs) for r in reqs], baseline(), atol=2e-6)
 
@@ -85,7 +85,7 @@ def test_rollback_of_rejected_drafts(pattern):
   assert_close_runs(got, long_baseline(), atol=2e-6)
   if pattern == "all_accepted":
     assert engine.num_accepted_tokens == engine.num_draft_tokens > 0
-    assert engine.num_steps <= 1 + -(-(LONG.max_new_tokens - 1) // 4) + 2  # ~4 tokens per step
+    assert engine.num_steps <= 1 + -(-(LONG.max_tokens - 1) // 4) + 2  # ~4 tokens per step
   else:
     assert 0 < engine.num_accepted_tokens < engine.num_draft_tokens
 
@@ -102,7 +102,7 @@ def test_speculation_is_bitwise_identical_across_layouts_and_schedules():
 def test_stop_token_inside_accepted_drafts():
   truth = [t for t, _ in long_baseline()]
   stop = truth[0][4]
-  got, _ = forced_run(3, lambda step, i: False, sampling=SamplingParams(max_new_tokens=12, stop_token_ids=(stop,)))
+  got, _ = forced_run(3, lambda step, i: False, sampling=SamplingParams(max_tokens=12, stop_token_ids=(stop,)))
   assert got[0][0] == truth[0][:truth[0].index(stop) + 1]
   for (tokens, _), ref in zip(got[1:], truth[1:]):
     assert tokens == (ref[:ref.index(stop) + 1] if stop in ref else ref)
@@ -111,7 +111,7 @@ def test_stop_token_inside_accepted_drafts():
 def test_preemption_with_speculation():
   rng = np.random.default_rng(9)
   long_prompts = [list(rng.integers(1, 256, n)) for n in (124, 122, 126)]
-  sampling = SamplingParams(max_new_tokens=12)
+  sampling = SamplingParams(max_tokens=12)
   roomy = LLMEngine(runner(), cfg(block_size=128, max_model_len=256)).generate(long_prompts, sampling)
   probe = LLMEngine(runner(), cfg(block_size=128, max_model_len=256, num_speculative_tokens=2))
   state_blocks = probe.plan.blocks_per_request(1) - 1
@@ -125,7 +125,7 @@ def test_preemption_with_speculation():
 
 
 def test_seeded_sampling_with_speculation_is_batch_independent():
-  sampling = SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9, seed=7)
+  sampling = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=7)
   engine = LLMEngine(runner(), cfg(num_speculative_tokens=2))
   batched = [r.output_token_ids for r in engine.generate(prompts(), sampling)]
   alone = [engine.generate([p], sampling)[0].output_token_ids for p in prompts()[:2]]
@@ -136,7 +136,7 @@ def test_seeded_sampling_with_speculation_is_batch_independent():
 def test_steady_speculative_decoding_does_not_compile():
   engine = LLMEngine(runner(), cfg(num_speculative_tokens=3))
   for i, p in enumerate(prompts()):
-    engine.add_request(str(i), p, SamplingParams(max_new_tokens=12))
+    engine.add_request(str(i), p, SamplingParams(max_tokens=12))
   engine.step()
   warm = engine.num_compilations
   while engine.has_unfinished():
@@ -167,12 +167,12 @@ def test_speculation_needs_the_mtp_layer():
 # -- the rejection sampler ------------------------------------------------------------------------
 
 
-def _sample(logits, drafts, num_drafts, temperature, top_p=1.0, seeds=None, steps=None):
+def _sample(logits, drafts, num_drafts, temperature, top_p=1.0, seeds=None, steps=None, top_k=0):
   r = logits.shape[0]
   seeds = jnp.arange(r, dtype=jnp.int32) if seeds is None else seeds
   steps = jnp.zeros(r, jnp.int32) if steps is None else steps
-  return jax.jit(sample)(logits, jnp.full(r, temperature, jnp.float32), jnp.full(r, top_p, jnp.float32), seeds,
-                         steps, drafts, num_drafts)
+  return jax.jit(sample)(logits, jnp.full(r, temperature, jnp.float32), jnp.full(r, top_p, jnp.float32),
+                         jnp.full(r, top_k, jnp.int32), seeds, steps, drafts, num_drafts)
 
 
 def test_greedy_verification_accepts_the_longest_agreeing_prefix():
@@ -230,7 +230,7 @@ def test_seeded_sampling_with_accepted_drafts_survives_preemption():
   continuation), under preemption, emits the tokens of the undrafted, unpreempted run."""
   rng = np.random.default_rng(9)
   long_prompts = [[int(t) for t in rng.integers(1, 256, n)] for n in (124, 122, 126)]
-  sampling = SamplingParams(max_new_tokens=12, temperature=0.8, seed=11)
+  sampling = SamplingParams(max_tokens=12, temperature=0.8, seed=11)
   plain = LLMEngine(runner(), cfg(block_size=128, max_model_len=256)).generate(long_prompts, sampling)
   truth = {tuple(p): r.output_token_ids for p, r in zip(long_prompts, plain)}
   probe = LLMEngine(runner(), cfg(block_size=128, max_model_len=256, num_speculative_tokens=2))
@@ -281,3 +281,39 @@ def test_every_nucleus_search_width_keeps_the_sorted_nucleus(ways):
   assert sampler.nucleus_ways(1) == 8 and sampler.nucleus_ways(64) == 4
   with pytest.raises(ValueError, match="ways must be"):
     sampler._nucleus_floor(probs, top_p, ways=16)
+
+
+@pytest.mark.parametrize("ways", [4, 8])
+def test_top_k_and_top_p_keep_what_a_sort_keeps(ways):
+  """top-k alone, top-p alone and both: the tokens fewer than k of which are more probable (ties kept
+  or dropped together), and within the nucleus; 0 is off, and k beyond the vocabulary keeps all."""
+  rng = np.random.default_rng(100 + ways)
+  logits = rng.normal(size=(6, 1, 2000)) * rng.uniform(0.3, 6.0, size=(6, 1, 1))
+  logits[::2] = np.round(logits[::2])  # ties
+  probs = jax.nn.softmax(jnp.asarray(logits, jnp.float32), axis=-1)
+  top_p = jnp.asarray([1.0, 0.9, 1.0, 0.5, 0.99, 1.0], jnp.float32)[:, None, None]
+  top_k = jnp.asarray([1, 0, 50, 7, 300, 5000], jnp.int32)[:, None, None]
+  floor = np.asarray(jax.jit(sampler._nucleus_floor, static_argnames="ways")(probs, top_p, ways=ways, top_k=top_k))
+  p = np.asarray(probs, np.float64)[:, 0]
+  for i in range(6):
+    count = np.array([(p[i] > x).sum() for x in p[i]])
+    mass = np.array([p[i][p[i] > x].sum() for x in p[i]])
+    k, tp = int(top_k[i, 0, 0]), float(top_p[i, 0, 0])
+    kept = ((count < k) if k > 0 else True) & ((mass < tp) if tp < 1 else True)
+    np.testing.assert_array_equal(p[i] >= floor[i, 0, 0], kept, err_msg=f"row {i}")
+    assert kept.sum() >= 1
+
+
+def test_top_k_one_samples_the_argmax_and_top_k_draws_only_from_the_top():
+  rng = np.random.default_rng(5)
+  n, v = 64, 300
+  # Distinct, nearly flat logits (no float32 ties at temperature 5, where tokens tied are kept together).
+  logits = jnp.asarray(rng.permuted(np.tile(np.arange(v), (n, 1)), axis=1)[:, None] * 2e-3, jnp.float32)
+  greedy = np.asarray(jnp.argmax(logits[:, 0], axis=-1))
+  none = jnp.zeros((n, 0), jnp.int32)
+  tokens, *_ = _sample(logits, none, jnp.zeros(n, jnp.int32), 5.0, top_k=1)
+  np.testing.assert_array_equal(np.asarray(tokens)[:, 0], greedy)
+  tokens, *_ = _sample(logits, none, jnp.zeros(n, jnp.int32), 5.0, top_k=3)
+  top3 = np.argsort(-np.asarray(logits)[:, 0], axis=-1)[:, :3]
+  got = np.asarray(tokens)[:, 0]
+  assert all(t in row for t, row in zip(got, top3)) and len(set(got - greedy)) > 1  # not always the argmax

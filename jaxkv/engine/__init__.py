@@ -3,7 +3,7 @@
 from jaxkv.engine.engine import EngineConfig, LLMEngine
 from jaxkv.engine.model_runner import MODEL_REGISTRY, ModelFamily, ModelRunner, get_model_family, plan_for
 from jaxkv.engine.parallel import make_mesh, replicated
-from jaxkv.engine.request import MAX_LOGPROBS, Request, RequestOutput, RequestStatus, SamplingParams
+from jaxkv.engine.request import MAX_LOGPROBS, Request, RequestStatus, SamplingParams, StepOutput
 from jaxkv.engine.sampler import sample
 from jaxkv.engine.scheduler import ScheduledChunk, Scheduler
 
@@ -19,7 +19,7 @@ __all__ = [
     "replicated",
     "MAX_LOGPROBS",
     "Request",
-    "RequestOutput",
+    "StepOutput",
     "RequestStatus",
     "SamplingParams",
     "ScheduledChunk",

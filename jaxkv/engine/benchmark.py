@@ -16,7 +16,7 @@ __all__ = ["benchmark_decode", "decode_new_tokens"]
 
 def decode_new_tokens(batch: int, context: int, max_num_batched_tokens: int, steps: int, profile_steps: int = 0,
                       num_spec: int = 0) -> int:
-  """``max_new_tokens`` that keeps every request decoding through the timed and profiled steps:
+  """``max_tokens`` that keeps every request decoding through the timed and profiled steps:
   requests prefilled early decode (up to ``1 + num_spec`` tokens a step) while later ones prefill,
   for up to one step per ``max_num_batched_tokens`` prompt tokens."""
   prefill_steps = cdiv(batch * context, max_num_batched_tokens) + 1
@@ -37,7 +37,7 @@ def benchmark_decode(engine: LLMEngine, prompts: Sequence[Sequence[int]], *, ste
   engine.warmup()  # every token bucket, as vLLM captures its graphs
   warmup_s = time.perf_counter() - t0
   compiled_warm = engine.num_compilations
-  reqs = [engine.add_request(f"bench-{i}", p, SamplingParams(max_new_tokens=new_tokens)) for i, p in enumerate(prompts)]
+  reqs = [engine.add_request(f"bench-{i}", p, SamplingParams(max_tokens=new_tokens)) for i, p in enumerate(prompts)]
   t0 = time.perf_counter()
   while not all(r.output_token_ids for r in reqs):
     engine.step()
@@ -53,7 +53,7 @@ def benchmark_decode(engine: LLMEngine, prompts: Sequence[Sequence[int]], *, ste
   ended = {r.request_id: r.finish_reason for r in reqs if r.finish_reason is not None}
   if ended:  # the steps were not all of len(prompts) requests
     raise RuntimeError(f"{len(ended)} of {len(prompts)} requests ended before the timed steps did ({ended}; errors: "
-                       f"{[r.error for r in reqs if r.finish_reason == 'error']}); give them max_new_tokens >= "
+                       f"{[r.error for r in reqs if r.finish_reason == 'error']}); give them max_tokens >= "
                        f"decode_new_tokens(...) = room for the steps they decode while the others prefill.")
   drafted, accepted = engine.num_draft_tokens - drafted, engine.num_accepted_tokens - accepted
   profile = None
@@ -74,7 +74,7 @@ def benchmark_decode(engine: LLMEngine, prompts: Sequence[Sequence[int]], *, ste
   if engine.kv.enable_caching:
     while engine.has_unfinished():
       engine.step()
-    again = [engine.add_request(f"bench-warm-{i}", p, SamplingParams(max_new_tokens=1)) for i, p in enumerate(prompts)]
+    again = [engine.add_request(f"bench-warm-{i}", p, SamplingParams(max_tokens=1)) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
     while not all(r.output_token_ids for r in again):
       engine.step()
@@ -82,7 +82,7 @@ def benchmark_decode(engine: LLMEngine, prompts: Sequence[Sequence[int]], *, ste
   if profile_dir is not None:  # the same prompts' prefill again, traced, on the warm engine
     while engine.has_unfinished():
       engine.step()
-    again = [engine.add_request(f"bench-prefill-{i}", p, SamplingParams(max_new_tokens=1)) for i, p in enumerate(prompts)]
+    again = [engine.add_request(f"bench-prefill-{i}", p, SamplingParams(max_tokens=1)) for i, p in enumerate(prompts)]
     jax.profiler.start_trace(f"{profile_dir}/prefill", create_perfetto_trace=True)
     num_prefill_steps = 0
     while not all(r.output_token_ids for r in again):

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import secrets
 import threading
 from collections.abc import Iterable, Sequence
 
@@ -26,7 +27,7 @@ from jaxkv.block_copy import BlockRegions, copy_blocks, pad_block_ids
 from jaxkv.block_table import MultiGroupBlockTable
 from jaxkv.engine.model_runner import ModelRunner, plan_for
 from jaxkv.engine.parallel import cache_shardings, make_mesh, replicated
-from jaxkv.engine.request import MAX_LOGPROBS, Request, RequestOutput, RequestStatus, SamplingParams, is_int
+from jaxkv.engine.request import MAX_LOGPROBS, Request, StepOutput, RequestStatus, SamplingParams, is_int
 from jaxkv.engine.sampler import sample
 from jaxkv.engine.scheduler import Scheduler
 from jaxkv.kv_cache_config import CacheConfig
@@ -162,7 +163,8 @@ class _PackedInputs:
     spec += [(f"table{g}", (r, w), 0) for g, w in enumerate(self.widths)]
     spec += [(f"count{g}", (r,), 0) for g in range(len(self.widths))]
     spec += [("state_slots", (r,), 0), ("sample_indices", (r, 1 + k), -1), ("draft_ids", (r, k), 0),
-             ("num_drafts", (r,), 0), ("temperature_f32", (r,), 0.0), ("top_p_f32", (r,), 1.0), ("seeds", (r,), 0),
+             ("num_drafts", (r,), 0), ("temperature_f32", (r,), 0.0), ("top_p_f32", (r,), 1.0), ("top_k", (r,), 0),
+             ("seeds", (r,), 0),
              ("steps", (r,), 0)]
     out, at = {}, 0
     for name, shape, default in spec:
@@ -256,8 +258,8 @@ def _device_step(statics: _StepStatics, packing: _PackedInputs, param_leaves, ca
                       tuple(v[f"count{g}"] for g in groups), None, v["state_slots"])  # metadata: _step's first act
   params = jax.tree.unflatten(statics.params_treedef, param_leaves)
   out, caches, kernel_tables = _step(statics, params, caches, kernel_tables, inputs, v["sample_indices"], v["next_ids"],
-                                     v["draft_ids"], v["num_drafts"], v["temperature_f32"], v["top_p_f32"], v["seeds"],
-                                     v["steps"])
+                                     v["draft_ids"], v["num_drafts"], v["temperature_f32"], v["top_p_f32"], v["top_k"],
+                                     v["seeds"], v["steps"])
   out = _pack_outputs(*out), caches, kernel_tables
   if statics.replicated is not None:
     # Whatever XLA's partitioner chose inside, the step's state leaves as it came: the next step
@@ -269,7 +271,7 @@ def _device_step(statics: _StepStatics, packing: _PackedInputs, param_leaves, ca
 
 
 def _step(statics: _StepStatics, params, caches, kernel_tables, inputs: StepInputs, sample_indices, next_ids,
-          draft_ids, num_drafts, temperature, top_p, seeds, steps):
+          draft_ids, num_drafts, temperature, top_p, top_k, seeds, steps):
   """The step's metadata, the trunk over the step's tokens, verification and sampling of each
   sampling row, then the drafts for the next step.
 
@@ -289,7 +291,8 @@ def _step(statics: _StepStatics, params, caches, kernel_tables, inputs: StepInpu
   inputs = dataclasses.replace(inputs, metadata=meta)
   hidden, caches = runner.forward(params, caches, inputs, layout)
   logits = runner.compute_logits(params, hidden[jnp.maximum(sample_indices, 0)])  # [R, S, V]
-  tokens, num_accepted, top_lp, top_ids = sample(logits, temperature, top_p, seeds, steps, draft_ids, num_drafts)
+  tokens, num_accepted, top_lp, top_ids = sample(logits, temperature, top_p, top_k, seeds, steps, draft_ids,
+                                                num_drafts)
   k = statics.num_speculative_tokens
   if k:
     # The token after each step token is known on the host, or was just sampled (accepted drafts
@@ -306,7 +309,7 @@ def _step(statics: _StepStatics, params, caches, kernel_tables, inputs: StepInpu
 class LLMEngine:
   """Serves many requests of one model over the paged caches of ``jaxkv``.
 
-  ``add_request`` / ``abort`` / ``step`` (returns streamed ``RequestOutput``s) / ``generate``.
+  ``add_request`` / ``abort`` / ``step`` (returns streamed ``StepOutput``s) / ``generate``.
 
   Args:
     runner: the model (``ModelRunner``), e.g. ``Glm5NextRunner.from_model(model)``.
@@ -418,8 +421,11 @@ class LLMEngine:
     for i, t in enumerate(ids):
       if not is_int(t) or not 0 <= t < vocab:
         raise ValueError(f"request {request_id!r}: prompt token {i} is {t!r}; token ids are integers in [0, {vocab}).")
-    if len(ids) + sampling.max_new_tokens > self.config.max_model_len:
-      raise ValueError(f"request {request_id!r}: {len(ids)} prompt + {sampling.max_new_tokens} new tokens exceed "
+    if sampling.n != 1 or sampling.stop:
+      raise ValueError(f"request {request_id!r}: n={sampling.n} and stop={list(sampling.stop)} need the text "
+                       f"layer: use jaxkv.LLM (the engine serves one token sequence per request).")
+    if len(ids) + sampling.max_tokens > self.config.max_model_len:
+      raise ValueError(f"request {request_id!r}: {len(ids)} prompt + {sampling.max_tokens} new tokens exceed "
                        f"max_model_len {self.config.max_model_len}.")
     return [int(t) for t in ids]
 
@@ -430,7 +436,9 @@ class LLMEngine:
       if request_id in self._requests:
         raise ValueError(f"request id {request_id!r} is already in use.")
       ids = self._check_request(request_id, prompt_token_ids, sampling)
-      request = Request(request_id, ids, sampling, next(self._arrivals), state_slot=self.config.num_speculative_tokens)
+      seed = secrets.randbits(31) if sampling.seed is None else sampling.seed  # None: fresh entropy
+      request = Request(request_id, ids, sampling, next(self._arrivals), seed=seed,
+                        state_slot=self.config.num_speculative_tokens)
       self._requests[request_id] = request
       self.scheduler.add(request)
       return request
@@ -456,7 +464,7 @@ class LLMEngine:
     self._copy_blocks([], warmup=True)
     return self.num_compilations
 
-  def step(self) -> list[RequestOutput]:
+  def step(self) -> list[StepOutput]:
     """Schedules and runs one step. Synchronously, returns its outputs; with async scheduling,
     dispatches it first and then returns the outputs of the step before (which the scheduler
     already counted on: each sampling request's next token is in flight). A request whose step
@@ -508,11 +516,11 @@ class LLMEngine:
     src, dst = pad_block_ids(pairs, self._max_block_copies)
     self.caches = copy_blocks(self.caches, src, dst, regions=self._state_regions)
 
-  def _fail(self, request: Request, error: Exception) -> RequestOutput:
+  def _fail(self, request: Request, error: Exception) -> StepOutput:
     request.error = f"{type(error).__name__}: {error}"
     self.scheduler.finish(request, RequestStatus.FINISHED, "error")
     self._requests.pop(request.request_id, None)
-    return RequestOutput(request.request_id, [], [], True, "error", request.num_cached_tokens)
+    return StepOutput(request.request_id, [], [], True, "error", request.num_cached_tokens)
 
   def _launch(self, chunks, bucket: int):
     """Lays the chunks out in ``bucket`` tokens and dispatches the jitted step (one transfer in).
@@ -585,7 +593,8 @@ class LLMEngine:
       v["num_drafts"][req.row] = d
       v["temperature_f32"][req.row] = req.sampling.temperature
       v["top_p_f32"][req.row] = req.sampling.top_p
-      v["seeds"][req.row] = req.sampling.seed
+      v["top_k"][req.row] = req.sampling.top_k
+      v["seeds"][req.row] = req.seed
       v["steps"][req.row] = len(req.output_token_ids) + req.num_in_flight
 
   def _read_back(self, out: jax.Array) -> list[np.ndarray]:
@@ -595,7 +604,7 @@ class LLMEngine:
     """The drafts to verify next step (the MTP layer's); a seam for tests that force drafts."""
     return drafts
 
-  def _update(self, chunks, tokens, num_accepted, top_lp, top_ids, drafts) -> list[RequestOutput]:
+  def _update(self, chunks, tokens, num_accepted, top_lp, top_ids, drafts) -> list[StepOutput]:
     k = self.config.num_speculative_tokens
     outputs = []
     for c in chunks:
@@ -627,7 +636,7 @@ class LLMEngine:
         new_lps.append(lps)
         if token in req.sampling.stop_token_ids:
           reason = "stop"
-        elif len(req.output_token_ids) >= req.sampling.max_new_tokens:
+        elif len(req.output_token_ids) >= req.sampling.max_tokens:
           reason = "length"
         if reason:
           break
@@ -636,9 +645,9 @@ class LLMEngine:
         self._requests.pop(req.request_id, None)  # its last output goes out now: the id is free
       elif k:
         # No draft past the last token the request may emit (its verify step emits drafts + 1).
-        room = req.sampling.max_new_tokens - len(req.output_token_ids) - 1
+        room = req.sampling.max_tokens - len(req.output_token_ids) - 1
         req.spec_token_ids = self._next_drafts(req, [int(x) for x in drafts[row, :min(k, room)]])
-      outputs.append(RequestOutput(req.request_id, new_ids, new_lps if req.sampling.logprobs else [],
+      outputs.append(StepOutput(req.request_id, new_ids, new_lps if req.sampling.logprobs else [],
                                    reason is not None, reason, req.num_cached_tokens))
     return outputs
 

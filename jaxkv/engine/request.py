@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["SamplingParams", "Request", "RequestStatus", "RequestOutput", "MAX_LOGPROBS"]
+__all__ = ["SamplingParams", "Request", "RequestStatus", "StepOutput", "MAX_LOGPROBS"]
 
 MAX_LOGPROBS = 20
 
@@ -20,45 +21,74 @@ def is_int(value) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-  """How a request samples.
+  """How a request samples, with vLLM's names.
 
   Attributes:
-    max_new_tokens: tokens to generate at most.
-    temperature: 0 for greedy.
+    max_tokens: tokens to generate at most.
+    temperature: 0 for greedy (the default here; vLLM's is 1.0).
     top_p: nucleus sampling mass (1.0: off).
+    top_k: sample among the ``top_k`` most probable tokens (0 or -1: off).
     seed: per-request seed; the token at output index ``i`` uses ``fold_in(key(seed), i)``, so
-      results do not depend on batch composition.
-    stop_token_ids: generation ends after emitting one of these.
-    logprobs: top-k log-probabilities to return per generated token (0 to 20).
+      results do not depend on batch composition. None: fresh entropy for each request.
+    stop_token_ids: generation ends after emitting one of these (any sequence of ids).
+    stop: strings that end generation, not included in the text (``jaxkv.LLM``: they need the
+      tokenizer; the token-level engine refuses them).
+    logprobs: top-k log-probabilities to return per generated token (None or 0 to 20).
+    n: output sequences per prompt (``jaxkv.LLM`` runs them as requests seeded ``seed + i``).
+    prompt_logprobs: not supported (None): the step computes logits at sampled positions only.
   """
 
-  max_new_tokens: int = 16
+  max_tokens: int = 16
   temperature: float = 0.0
   top_p: float = 1.0
-  seed: int = 0
-  stop_token_ids: tuple[int, ...] = ()
-  logprobs: int = 0
+  top_k: int = 0
+  seed: int | None = None
+  stop_token_ids: Sequence[int] = ()
+  stop: str | Sequence[str] = ()
+  logprobs: int | None = None
+  n: int = 1
+  prompt_logprobs: int | None = None
 
   def __post_init__(self):
-    for name in ("max_new_tokens", "seed", "logprobs"):
+    # Normalized forms: any sequence of ids or strings, None as "off".
+    if isinstance(self.stop_token_ids, Sequence) and not isinstance(self.stop_token_ids, (str, bytes)):
+      object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+    if isinstance(self.stop, str):
+      object.__setattr__(self, "stop", (self.stop,))
+    elif isinstance(self.stop, Sequence):
+      object.__setattr__(self, "stop", tuple(self.stop))
+    if self.logprobs is None:
+      object.__setattr__(self, "logprobs", 0)
+    if is_int(self.top_k) and self.top_k == -1:
+      object.__setattr__(self, "top_k", 0)
+    for name in ("max_tokens", "logprobs", "top_k", "n"):
       if not is_int(getattr(self, name)):
         raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}.")
     for name in ("temperature", "top_p"):
       value = getattr(self, name)
       if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)):
         raise ValueError(f"{name} must be a finite number, got {value!r}.")
-    if self.max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
+    if self.max_tokens < 1:
+      raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}.")
     if self.temperature < 0:
       raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
     if not 0 < self.top_p <= 1:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+    if self.top_k < 0:
+      raise ValueError(f"top_k must be 0 or -1 (off) or a number of tokens >= 1, got {self.top_k}.")
+    if self.n < 1:
+      raise ValueError(f"n must be >= 1, got {self.n}.")
     if not 0 <= self.logprobs <= MAX_LOGPROBS:
       raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.")
-    if not 0 <= self.seed < 2**31:  # the sampler keys with an int32 seed
-      raise ValueError(f"seed must be in [0, 2**31), got {self.seed}.")
+    if self.seed is not None and not (is_int(self.seed) and 0 <= self.seed < 2**31):  # an int32 key
+      raise ValueError(f"seed must be None or an integer in [0, 2**31), got {self.seed!r}.")
     if not isinstance(self.stop_token_ids, tuple) or not all(is_int(t) for t in self.stop_token_ids):
-      raise ValueError(f"stop_token_ids must be a tuple of integer token ids, got {self.stop_token_ids!r}.")
+      raise ValueError(f"stop_token_ids must be a sequence of integer token ids, got {self.stop_token_ids!r}.")
+    if not isinstance(self.stop, tuple) or not all(isinstance(t, str) and t for t in self.stop):
+      raise ValueError(f"stop must be a string or a sequence of non-empty strings, got {self.stop!r}.")
+    if self.prompt_logprobs is not None:
+      raise ValueError("prompt_logprobs is not supported: the step computes logits at the sampled positions "
+                       "only; leave it None.")
 
 
 class RequestStatus(enum.Enum):
@@ -76,6 +106,7 @@ class Request:
   prompt_token_ids: list[int]
   sampling: SamplingParams
   arrival: int
+  seed: int = 0  # the sampling seed (``sampling.seed``, or fresh entropy when that is None)
   output_token_ids: list[int] = dataclasses.field(default_factory=list)
   output_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
   num_computed_tokens: int = 0
@@ -119,12 +150,13 @@ class Request:
   @property
   def awaits_last_token(self) -> bool:
     """The token in flight is the last this request may emit: nothing more to schedule."""
-    return self.num_in_flight > 0 and len(self.output_token_ids) + self.num_in_flight >= self.sampling.max_new_tokens
+    return self.num_in_flight > 0 and len(self.output_token_ids) + self.num_in_flight >= self.sampling.max_tokens
 
 
 @dataclasses.dataclass(frozen=True)
-class RequestOutput:
-  """What a step streams for one request: its new tokens (and logprobs) and whether it finished."""
+class StepOutput:
+  """What a step streams for one request: its new tokens (and logprobs) and whether it finished
+  (vLLM's ``EngineCoreOutput``; ``jaxkv.LLM`` gathers them into ``RequestOutput``s)."""
 
   request_id: str
   new_token_ids: list[int]

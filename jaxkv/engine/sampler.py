@@ -1,4 +1,4 @@
-"""Sampling on device: greedy, temperature, top-p, per-request seeds, speculative verification
+"""Sampling on device: greedy, temperature, top-k, top-p, per-request seeds, speculative verification
 (rejection sampling of greedy drafts); top-k log-probabilities."""
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ def sample(
     logits: Float[Array, "R S V"],
     temperature: Float[Array, "R"],
     top_p: Float[Array, "R"],
+    top_k: Int[Array, "R"],
     seeds: Int[Array, "R"],
     steps: Int[Array, "R"],
     draft_ids: Int[Array, "R S-1"],
@@ -41,9 +42,10 @@ def sample(
   * ``temperature == 0``: draft ``i`` is accepted iff it is the argmax (lowest id on ties) at ``i``;
     the token at the first mismatch, or after the last draft, is that argmax. Tokens are therefore
     those of plain greedy decoding, whatever the drafts.
-  * otherwise, with ``p_i = softmax(logits_i / temperature)`` restricted to the top-p nucleus (the
-    tokens whose more probable tokens hold less than ``top_p`` of the mass; equal probabilities
-    are kept or dropped together):
+  * otherwise, with ``p_i = softmax(logits_i / temperature)`` restricted to the tokens that are in
+    both the top-k (fewer than ``top_k`` tokens are more probable; ``top_k <= 0``: off) and the top-p
+    nucleus (the tokens whose more probable tokens hold less than ``top_p`` of the mass); equal
+    probabilities are kept or dropped together:
     the token at ``i`` is drawn from ``p_i`` with the key ``fold_in(key(seed), steps + i)`` (its
     output index), and draft ``i`` is accepted iff it equals that draw. For a point-mass proposal
     this is speculative sampling (Leviathan et al. 2023) exactly: the draft is accepted with
@@ -53,7 +55,7 @@ def sample(
 
   Args:
     logits: ``[R, S, V]``.
-    temperature, top_p, seeds: per row. steps: output index of the row's first token this step.
+    temperature, top_p, top_k, seeds: per row. steps: output index of the row's first token this step.
     draft_ids: ``[R, S-1]`` drafts (entries past ``num_drafts`` are ignored).
     num_drafts: ``[R]`` drafts to verify, ``0 .. S-1``.
 
@@ -77,7 +79,7 @@ def sample(
   # which stopped the host from dispatching a step ahead. The nucleus is found without a sort.
   scaled = logits / jnp.where(hot, temperature, 1.0)[:, None, None]
   probs = jax.nn.softmax(scaled, axis=-1)
-  floor = _nucleus_floor(probs, top_p[:, None, None], nucleus_ways(r * s))
+  floor = _nucleus_floor(probs, top_p[:, None, None], nucleus_ways(r * s), top_k[:, None, None])
   masked = jnp.where(probs >= floor, scaled, -jnp.inf)  # log-weights of p_i
   keys = jax.vmap(lambda sd, st: jax.random.fold_in(jax.random.key(sd), st))(
       jnp.repeat(seeds, s), (steps[:, None] + idx).reshape(-1))  # [R * S]
@@ -88,24 +90,34 @@ def sample(
   return tokens, num_accepted, top_lp, top_ids.astype(jnp.int32)
 
 
-def _nucleus_floor(probs: Float[Array, "... V"], top_p: Float[Array, "... 1"], ways: int) -> Float[Array, "... 1"]:
-  """The least probability the top-p nucleus keeps: token ``i`` is kept iff ``probs[i] >= floor``,
-  i.e. iff the tokens strictly more probable than it hold less than ``top_p`` of the mass.
+def _nucleus_floor(probs: Float[Array, "... V"], top_p: Float[Array, "... 1"], ways: int,
+                   top_k: Int[Array, "... 1"] | None = None) -> Float[Array, "... 1"]:
+  """The least probability that top-p (and top-k) sampling keeps: token ``i`` is kept iff
+  ``probs[i] >= floor``, i.e. iff the tokens strictly more probable than it hold less than
+  ``top_p`` of the mass and (with ``top_k > 0``) number fewer than ``top_k``.
 
   A ``ways``-way search over the float32 bit patterns of ``[0, 2)`` (monotone for non-negative
   floats), in place of a sort of the vocabulary: ``30 / log2(ways)`` dependent passes of
-  ``ways - 1`` masked sums each (one fusion per pass; ``ways=2`` is a bisection).
+  ``ways - 1`` masked sums each (one fusion per pass; ``ways=2`` is a bisection). Both limits
+  are monotone in the threshold, so one search finds the larger of their floors; the count rides
+  in the same pass as the mass, over the same reads.
   """
   bits = ways.bit_length() - 1
   if ways < 2 or ways != 1 << bits or 30 % bits:
     raise ValueError(f"ways must be 2, 4, 8, 32 or 1024 (30 bits in whole passes), got {ways}.")
-  # Invariant: the mass above f(lo + ways * 2**shift) is < top_p, and above f(lo) >= top_p (lo = -1:
+  # top_p = 1 keeps every token exactly (float32 sums of nearly all the mass round either way), so
+  # it never binds; nor does a top_k of 0 (off) or of the whole vocabulary.
+  p_limit = jnp.where(top_p >= 1.0, jnp.inf, top_p)
+  k_limit = None if top_k is None else jnp.where(top_k > 0, top_k, probs.shape[-1] + 1)
+  # Invariant: above f(lo + ways * 2**shift) a limit is not reached, and above f(lo) one is (lo = -1:
   # below every probability, 0 included); the candidates are lo + j * 2**shift, j = 1 .. ways - 1.
   lo = jnp.full(top_p.shape, -1, jnp.int32)
   for shift in range(30 - bits, -1, -bits):
     candidates = lo + (jnp.arange(1, ways, dtype=jnp.int32) << shift)  # [..., ways - 1]
     x = jax.lax.bitcast_convert_type(candidates, jnp.float32)[..., None]
-    mass = jnp.sum(jnp.where(probs[..., None, :] > x, probs[..., None, :], 0.0), axis=-1)  # [..., ways - 1]
-    lo = lo + (jnp.sum(mass >= top_p, axis=-1, keepdims=True, dtype=jnp.int32) << shift)
-  # top_p = 1 keeps every token exactly (float32 sums of nearly all the mass round either way).
-  return jnp.where(top_p >= 1.0, 0.0, jax.lax.bitcast_convert_type(lo + 1, jnp.float32))
+    above = probs[..., None, :] > x
+    reached = jnp.sum(jnp.where(above, probs[..., None, :], 0.0), axis=-1) >= p_limit  # [..., ways - 1]
+    if k_limit is not None:
+      reached |= jnp.sum(above, axis=-1, dtype=jnp.int32) >= k_limit
+    lo = lo + (jnp.sum(reached, axis=-1, keepdims=True, dtype=jnp.int32) << shift)
+  return jax.lax.bitcast_convert_type(lo + 1, jnp.float32)
