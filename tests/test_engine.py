@@ -165,7 +165,7 @@ def test_a_request_that_cannot_be_laid_out_ends_alone(async_scheduling):
   initial = engine.kv.num_free_blocks
   reqs = [engine.add_request(str(i), p, sampling) for i, p in enumerate(prompts())]
   bad = engine.add_request("bad", prompts()[1], SamplingParams(max_tokens=4, seed=1))
-  object.__setattr__(bad.sampling, "seed", 2**31)
+  bad.seed = 2**31
   outputs = []
   while engine.has_unfinished():
     outputs += engine.step()
