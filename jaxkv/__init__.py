@@ -80,7 +80,25 @@ from jaxkv.slot_mapping import (
 
 __version__ = "0.1.0"
 
+# vLLM's front door, imported on first use (it brings the engine and the model).
+_LAZY = {"LLM": "jaxkv.entrypoints.llm", "SamplingParams": "jaxkv.engine.request",
+         "RequestOutput": "jaxkv.outputs", "CompletionOutput": "jaxkv.outputs", "Logprob": "jaxkv.outputs"}
+
+
+def __getattr__(name: str):
+  if name in _LAZY:
+    import importlib
+
+    return getattr(importlib.import_module(_LAZY[name]), name)
+  raise AttributeError(f"module 'jaxkv' has no attribute {name!r}")
+
 __all__ = [
+    # vLLM's offline API (jaxkv.entrypoints)
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
     # Specs
     "KVCacheSpec",
     "AttentionSpec",
