@@ -198,18 +198,24 @@ def _check_fits(args, family, config) -> None:
                      f"--memory-gib, or --force to try anyway.")
 
 
-def _prompts(args, config) -> list[list[int]]:
+def _tokenizer(args):
+  """The checkpoint's tokenizer, or the one shipped with a built-in config (None: neither has one)."""
+  from jaxkv.tokenizer import Tokenizer, builtin_tokenizer_dir
+
+  import pathlib
+
+  where = pathlib.Path(args.model_path) if args.model_path else builtin_tokenizer_dir(args.config)
+  return Tokenizer(where) if where is not None and (where / "tokenizer.json").is_file() else None
+
+
+def _prompts(args, config, tokenizer) -> list[list[int]]:
   import pathlib
 
   if args.prompt is not None:
-    tok = pathlib.Path(args.model_path or "") / "tokenizer.json"
-    if not args.model_path or not tok.is_file():
-      raise ValueError("--prompt needs a --model-path with a tokenizer.json; pass --prompt-ids 1,2,3 instead.")
-    try:
-      from tokenizers import Tokenizer  # parses tokenizer.json; executes nothing
-    except ImportError as e:
-      raise ValueError("--prompt needs the tokenizers package (pip install tokenizers), or pass --prompt-ids.") from e
-    prompts = [Tokenizer.from_file(str(tok)).encode(args.prompt).ids]
+    if tokenizer is None:
+      what = args.model_path or f"--config {args.config}"
+      raise ValueError(f"--prompt needs a tokenizer.json and {what} has none; pass --prompt-ids 1,2,3 instead.")
+    prompts = [tokenizer.encode(args.prompt)]
   elif args.batch_file:
     path = pathlib.Path(args.batch_file)
     if not path.is_file():
@@ -242,7 +248,8 @@ def cmd_generate(args) -> int:
   from jaxkv.engine import SamplingParams
 
   family, config = _model_config(args)
-  prompts = _prompts(args, config)
+  tokenizer = _tokenizer(args)
+  prompts = _prompts(args, config, tokenizer)
   max_len = args.max_model_len or min(config.max_position_embeddings,
                                       max(len(p) for p in prompts) + args.max_tokens)
   engine = _engine(args, family, config, max_len)
@@ -260,7 +267,9 @@ def cmd_generate(args) -> int:
   reqs = engine.generate(prompts, sampling, progress=progress)
   sys.stderr.write("\n")
   if args.json:
+    text = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else (lambda ids: None)
     json.dump({"requests": [{"prompt_token_ids": r.prompt_token_ids, "output_token_ids": r.output_token_ids,
+                             "text": text(r.output_token_ids),
                              "finish_reason": r.finish_reason, "num_cached_tokens": r.num_cached_tokens,
                              "logprobs": [[[i, v] for i, v in step] for step in r.output_logprobs]} for r in reqs],
                "steps": engine.num_steps, "compilations": engine.num_compilations,
@@ -272,6 +281,8 @@ def cmd_generate(args) -> int:
     for i, r in enumerate(reqs):
       cached = f", {r.num_cached_tokens} cached" if args.enable_prefix_caching else ""
       print(f"[{i}] prompt {len(r.prompt_token_ids)} tokens{cached} -> {r.output_token_ids} ({r.finish_reason})")
+      if tokenizer is not None:
+        print(f"     text: {tokenizer.decode(r.output_token_ids)!r}")
       for step, lps in zip(r.output_token_ids, r.output_logprobs):
         if lps:
           print(f"     {step}: " + ", ".join(f"{t}:{v:.4f}" for t, v in lps))
@@ -320,6 +331,27 @@ def cmd_bench(args) -> int:
       print("  the device waited (per step) between:")
       for g in p["idle_gaps"][:5]:
         print(f"  {g['ms_per_step']:9.3f} ms x{g['gaps_per_step']:<5.1f} {g['after']} -> {g['before']}")
+  return 0
+
+
+def cmd_serve(args) -> int:
+  from jaxkv.entrypoints.api_server import serve
+  from jaxkv.entrypoints.llm import LLM
+
+  family, config = _model_config(args)
+  tokenizer = _tokenizer(args)
+  engine = _engine(args, family, config, args.max_model_len or config.max_position_embeddings)
+  name = args.served_model_name or args.model_path or args.config
+  llm = LLM.from_engine(engine, tokenizer=tokenizer, model=name)
+  print(f"jaxkv serve: {name} ({args.dtype}) on http://{args.host}:{args.port}/v1 "
+        f"(text: {'yes' if tokenizer else 'no tokenizer.json, token ids only'}); compiling...", file=sys.stderr)
+  import time
+
+  t0 = time.perf_counter()
+  engine.warmup()
+  print(f"jaxkv serve: compiled {engine.num_compilations} step shapes in {time.perf_counter() - t0:.1f} s",
+        file=sys.stderr)
+  serve(llm, host=args.host, port=args.port, max_pending=args.max_pending, model_name=name)
   return 0
 
 
@@ -449,7 +481,10 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
+  from jaxkv import __version__
+
   parser = argparse.ArgumentParser(prog="jaxkv", description="Paged KV-cache management for JAX/Pallas LLM inference.")
+  parser.add_argument("--version", action="version", version=f"jaxkv {__version__}")
   sub = parser.add_subparsers(dest="command", required=True)
   p = sub.add_parser("inspect", formatter_class=_HelpFormatter, help="print the KV-cache plan of a model",
                      description="Plan the KV cache of a glm5_next model: groups, specs, page bytes, manager and "
@@ -468,7 +503,8 @@ def build_parser() -> argparse.ArgumentParser:
   _add_engine_args(g)
   src = g.add_mutually_exclusive_group()
   src.add_argument("--prompt-ids", help="comma-separated token ids (default 1..13)")
-  src.add_argument("--prompt", help="text, encoded with the checkpoint's tokenizer.json")
+  src.add_argument("--prompt", help="text, encoded with the checkpoint's tokenizer.json (the embedded tiny model "
+                                    "ships one)")
   src.add_argument("--batch-file", help="JSON list of token-id lists, one request each")
   g.add_argument("--batch", type=_positive, default=None, help="copies of the prompt (default 1)")
   g.add_argument("--max-tokens", type=_positive, default=8, help="tokens to generate per request")
@@ -490,6 +526,17 @@ def build_parser() -> argparse.ArgumentParser:
   b.add_argument("--profile", metavar="DIR", default=None,
                  help="after the timed steps, trace 8 more with jax.profiler into DIR and print the heaviest kernels")
   b.set_defaults(func=cmd_bench)
+
+  v = sub.add_parser("serve", formatter_class=_HelpFormatter, help="an OpenAI-compatible HTTP server",
+                     description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics "
+                                 "(FastAPI on uvicorn); talk to it with OpenAI's client.")
+  _add_engine_args(v)
+  v.add_argument("--host", default="127.0.0.1", help="address to listen on")
+  v.add_argument("--port", type=_positive, default=8000, help="port to listen on")
+  v.add_argument("--max-pending", type=_positive, default=256,
+                 help="unfinished requests the server holds; more are answered 503")
+  v.add_argument("--served-model-name", default=None, help="the model's name in the API (default: its path or config)")
+  v.set_defaults(func=cmd_serve)
   return parser
 
 

@@ -58,7 +58,14 @@ def test_generate_json_on_the_embedded_model(capsys):
   spec = json.loads(capsys.readouterr().out)
   assert spec["requests"][0]["output_token_ids"] == a["output_token_ids"] and spec["draft_tokens"] > 0
   assert "random weights" in spec["acceptance_note"]  # why (almost) no draft is accepted
-  assert main(["generate", "--prompt", "hello"]) == 2  # no tokenizer for a random model
+  # Text: the embedded tiny model ships a tokenizer.
+  assert main(["generate", "--prompt", "Hello world!", "--max-tokens", "4", "--json"]) == 0
+  text = json.loads(capsys.readouterr().out)["requests"][0]
+  from jaxkv.tokenizer import Tokenizer, builtin_tokenizer_dir
+
+  tok = Tokenizer(builtin_tokenizer_dir("glm-5.3-flash-tiny"))
+  assert text["prompt_token_ids"] == tok.encode("Hello world!") and text["text"] == tok.decode(text["output_token_ids"])
+  assert main(["generate", "--config", "glm-5.3-flash-mini", "--prompt", "hello"]) == 2  # no tokenizer shipped
   assert "--prompt-ids" in capsys.readouterr().err
 
 

@@ -96,6 +96,18 @@ class LLM:
                                              (self.tokenizer.eos_token_ids if self.tokenizer else ())))
     self._ids = itertools.count()
 
+  @classmethod
+  def from_engine(cls, engine: LLMEngine, *, tokenizer: Tokenizer | None = None, model: str = "engine") -> LLM:
+    """An ``LLM`` over an engine built elsewhere (``jaxkv serve`` builds it from the command line)."""
+    llm = cls.__new__(cls)
+    llm.model, llm.model_config, llm.tokenizer, llm.engine = model, None, tokenizer, engine
+    llm.dtype = engine.runner.dtype
+    config_eos = getattr(getattr(engine.runner, "config", None), "eos_token_id", ())
+    llm.eos_token_ids = tuple(dict.fromkeys(tuple(config_eos) +
+                                            (tokenizer.eos_token_ids if tokenizer else ())))
+    llm._ids = itertools.count()
+    return llm
+
   # -- prompts ---------------------------------------------------------------------------------
 
   def _prompt(self, prompt) -> tuple[str | None, list[int]]:
