@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import re
 import sys
 
@@ -25,13 +26,23 @@ _FLAGS = {
     "data_parallel_size": "--data-parallel-size", "enable_expert_parallel": "--enable-expert-parallel",
     "enable_prefix_caching": "--enable-prefix-caching",
     "kv_offload_dir": "--kv-offload-dir", "kv_offload": "--kv-offload", "preemption_mode": "--preemption-mode",
+    "enable_prefix_caching=True": "--enable-prefix-caching", "kv_offload='host'": "--kv-offload host",
+    "kv_offload='disk'": "--kv-offload disk", "max_tokens": "--max-tokens", "temperature": "--temperature",
+    "top_p": "--top-p", "top_k": "--top-k", "logprobs": "--logprobs", "seed": "--seed",
 }
+# "memory_bytes N (…)" in a library message: the flag's own unit, rounded up so that it suffices.
+_MEMORY_RE = re.compile(r"\bmemory_bytes( to at least)? ([\d,]+) \([^)]*\)")
 _FLAG_RE = re.compile(r"\b(" + "|".join(re.escape(k) for k in sorted(_FLAGS, key=len, reverse=True)) + r")(?![\w'])")
 
 
 def _with_flags(message: str) -> str:
-  """A library error, its parameter names replaced by the command line's flags."""
-  return _FLAG_RE.sub(lambda m: _FLAGS[m.group(1)], message)
+  """A library error, its parameter names replaced by the command line's flags (and byte counts
+  of the memory budget by --memory-gib values)."""
+  def gib(m):
+    n = int(m.group(2).replace(",", "")) / 2**30
+    return f"--memory-gib{m.group(1) or ''} {math.ceil(n * 1e4) / 1e4:g}"
+
+  return _FLAG_RE.sub(lambda m: _FLAGS[m.group(1)], _MEMORY_RE.sub(gib, message))
 
 
 def _add_model_args(p: argparse.ArgumentParser, default: str) -> None:
@@ -116,6 +127,12 @@ def _render_per_device(d: dict) -> str:
 
 
 def cmd_inspect(args) -> int:
+  if args.plot:
+    import pathlib
+
+    parent = pathlib.Path(args.plot).resolve().parent
+    if not parent.is_dir():
+      raise ValueError(f"--plot {args.plot}: the directory {parent} does not exist.")
   family, config, cache, plan = plan_from_args(args)
   per_device = _per_device(args, family, config, cache)
   if args.json:
@@ -139,17 +156,32 @@ def cmd_inspect(args) -> int:
   return 0
 
 
+def _check_engine_flags(args, config) -> None:
+  """Flags that would be ignored, or values past the model, refused before anything is built."""
+  if args.swap_space is not None and args.preemption_mode != "swap":
+    raise ValueError(f"--swap-space {args.swap_space:g} applies to --preemption-mode swap; add it, or drop --swap-space.")
+  if args.kv_offload_dir is not None and args.kv_offload != "disk":
+    raise ValueError(f"--kv-offload-dir {args.kv_offload_dir} is the disk tier's directory: add --kv-offload disk.")
+  if args.kv_offload_gib is not None and args.kv_offload is None:
+    raise ValueError(f"--kv-offload-gib {args.kv_offload_gib:g} sizes an offload tier: add --kv-offload host or disk.")
+  positions = config.max_position_embeddings
+  if args.max_model_len is not None and args.max_model_len > positions:
+    raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's {positions} positions.")
+
+
 def _engine(args, family, config, max_len: int):
   """The engine over a checkpoint, or a built-in config with seeded random weights."""
   from jaxkv.engine import EngineConfig, LLMEngine
 
+  _check_engine_flags(args, config)
   cache = dataclasses.replace(cache_config_from_args(args, config), max_model_len=max_len)
   # Checked before anything is built: a bad combination of flags fails in milliseconds.
   engine_config = EngineConfig(cache=cache, max_num_reqs=args.max_num_reqs,
                                max_num_batched_tokens=args.max_num_batched_tokens, buckets=args.buckets,
                                enable_prefix_caching=args.enable_prefix_caching, kv_offload=args.kv_offload,
-                               kv_offload_bytes=int(args.kv_offload_gib * 2**30), kv_offload_dir=args.kv_offload_dir,
-                               preemption_mode=args.preemption_mode, swap_space_bytes=int(args.swap_space * 2**30),
+                               kv_offload_bytes=int((args.kv_offload_gib or 4.0) * 2**30),
+                               kv_offload_dir=args.kv_offload_dir, preemption_mode=args.preemption_mode,
+                               swap_space_bytes=int((4.0 if args.swap_space is None else args.swap_space) * 2**30),
                                tensor_parallel_size=args.tensor_parallel_size,
                                data_parallel_size=args.data_parallel_size,
                                enable_expert_parallel=args.enable_expert_parallel)
@@ -166,7 +198,7 @@ def _engine(args, family, config, max_len: int):
                                     check_weights=args.check_weights, mesh=mesh,
                                     expert_parallel=args.enable_expert_parallel)  # by shard on a mesh
   else:
-    runner = family.from_random(config, dtype=args.dtype, seed=args.seed, implementation=args.implementation)
+    runner = family.from_random(config, dtype=args.dtype, seed=args.weights_seed, implementation=args.implementation)
   engine = LLMEngine(runner, engine_config)
   if getattr(args, "print_plan", False):
     sys.stderr.write(engine.render_plan(family.describe(config, cache)))
@@ -250,12 +282,15 @@ def cmd_generate(args) -> int:
   family, config = _model_config(args)
   tokenizer = _tokenizer(args)
   prompts = _prompts(args, config, tokenizer)
+  eos = tuple(dict.fromkeys(tuple(config.eos_token_id) + (tokenizer.eos_token_ids if tokenizer else ())))
+  if args.stop_at_eos and not eos:
+    raise ValueError("--stop-at-eos: the model's config and tokenizer name no end-of-sequence id; drop the flag.")
+  sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, logprobs=args.logprobs,
+                            stop_token_ids=eos if args.stop_at_eos else ())
   max_len = args.max_model_len or min(config.max_position_embeddings,
                                       max(len(p) for p in prompts) + args.max_tokens)
   engine = _engine(args, family, config, max_len)
-  sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            seed=args.seed, logprobs=args.logprobs,
-                            stop_token_ids=tuple(config.eos_token_id) if args.stop_at_eos else ())
   total = len(prompts) * args.max_tokens
   done = [0]
 
@@ -302,7 +337,13 @@ def cmd_bench(args) -> int:
   from jaxkv.engine.benchmark import benchmark_decode, decode_new_tokens
 
   family, config = _model_config(args)
-  rng = np.random.default_rng(args.seed)
+  if args.batch > args.max_num_reqs:
+    raise ValueError(f"--batch {args.batch} requests cannot decode together on --max-num-reqs {args.max_num_reqs} "
+                     f"rows: raise --max-num-reqs to {args.batch} or lower --batch.")
+  if args.context + args.steps > config.max_position_embeddings:
+    raise ValueError(f"--context {args.context} + --steps {args.steps} tokens exceed the model's "
+                     f"{config.max_position_embeddings} positions.")
+  rng = np.random.default_rng(args.weights_seed)
   prompts = [list(rng.integers(1, config.vocab_size, args.context)) for _ in range(args.batch)]
   profile_steps = 8 if args.profile else 0
   new_tokens = decode_new_tokens(args.batch, args.context, args.max_num_batched_tokens, args.steps, profile_steps,
@@ -442,7 +483,7 @@ def _add_engine_args(p):
   _add_model_args(p, "glm-5.3-flash-tiny")
   _add_cache_args(p, "engine")
   _add_parallel_args(p, "engine")
-  p.add_argument("--seed", type=int, default=0, help="random weights and sampling seed")
+  p.add_argument("--weights-seed", type=int, default=0, help="seed of a built-in config's random weights")
   p.add_argument("--force", action="store_true",
                  help="build the model even when its weights and KV cache exceed the device's memory")
   p.add_argument("--max-num-reqs", type=_positive, default=8, help="request rows per step")
@@ -458,13 +499,14 @@ def _add_engine_args(p):
   p.add_argument("--kv-offload", choices=("host", "disk"), default=None,
                  help="keep prefix-cache blocks evicted from the device in host memory or on disk (needs "
                       "--enable-prefix-caching; disk needs --kv-offload-dir)")
-  p.add_argument("--kv-offload-gib", type=_positive_float, default=4.0, help="capacity of the offload tier in GiB")
+  p.add_argument("--kv-offload-gib", type=_positive_float, default=None,
+                 help="capacity of the offload tier in GiB (default 4)")
   p.add_argument("--kv-offload-dir", default=None,
                  help="directory of the disk tier (blocks survive restarts; created if missing)")
   p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
                  help="a preempted request's blocks are recomputed, or swapped to host memory and back")
-  p.add_argument("--swap-space", type=_non_negative_float, default=4.0,
-                 help="host memory in GiB for swapped blocks (--preemption-mode swap; recompute past it)")
+  p.add_argument("--swap-space", type=_non_negative_float, default=None,
+                 help="host memory in GiB for swapped blocks (--preemption-mode swap; recompute past it; default 4)")
   p.add_argument("--buckets", type=_int_list, default=None,
                  help="step token counts to compile, e.g. 32,512 (default: powers of two up to the budget)")
 
@@ -510,8 +552,11 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--max-tokens", type=_positive, default=8, help="tokens to generate per request")
   g.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampling with --top-p")
   g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --temperature > 0)")
+  g.add_argument("--top-k", type=int, default=0, help="sample among the k most probable tokens (0: off)")
+  g.add_argument("--seed", type=int, default=None,
+                 help="sampling seed (default: fresh entropy per request; built-in weights use --weights-seed)")
   g.add_argument("--logprobs", type=int, default=0, help="top-k log-probabilities per token (up to 20)")
-  g.add_argument("--stop-at-eos", action="store_true", help="stop at the config's eos ids")
+  g.add_argument("--stop-at-eos", action="store_true", help="stop at the config's and the tokenizer's eos ids")
   g.add_argument("--json", action="store_true", help="tokens and logprobs per request as one JSON object")
   g.add_argument("--print-plan", action="store_true", help="print the engine's KV-cache plan (as inspect) on stderr")
   g.set_defaults(func=cmd_generate)

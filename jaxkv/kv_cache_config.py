@@ -455,7 +455,14 @@ def plan_kv_cache(layers: Sequence[KVCacheLayer], cache_config: CacheConfig) -> 
   layers, block_size = _resolve_block_size(layers, cc)
   groups = _group_layers(layers, cc.layout)
   _check_shards(layers, cc.layout, groups)
-  attn_groups, layer_ag = _make_attention_groups(groups, cc.kernel_block_size)
+  try:
+    attn_groups, layer_ag = _make_attention_groups(groups, cc.kernel_block_size)
+  except ValueError as e:
+    if block_size == cc.block_size:
+      raise
+    # Name the size the user asked for, and why it grew, before the backend's complaint.
+    raise ValueError(f"block_size {cc.block_size} is planned as {block_size} tokens (every group's pages must "
+                     f"fill whole blocks), and then: {e}") from None
   offsets, bytes_per_block, stride_alignment = _place_pages(layers, groups, cc.layout)
   num_blocks = _count_blocks(groups, bytes_per_block, cc)
   tensors, views, attn_groups = _bind(layers, groups, attn_groups, layer_ag, offsets, bytes_per_block, num_blocks,

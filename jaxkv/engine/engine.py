@@ -326,6 +326,9 @@ class LLMEngine:
     self._replicated = replicated(self.mesh)
     self.runner = runner
     k = config.num_speculative_tokens
+    if config.max_model_len > runner.max_model_len:
+      raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {runner.max_model_len} positions: "
+                       f"lower it (CacheConfig.max_model_len).")
     if 1 + k > config.max_num_batched_tokens:
       raise ValueError(f"max_num_batched_tokens {config.max_num_batched_tokens} cannot hold a verify step of "
                        f"1 + {k} tokens.")

@@ -273,7 +273,7 @@ def _tiny() -> dict:
       "index_head_dim": 16, "index_topk": 8, "index_kpool": 4,
       "linear_attn_config": {"num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0},
       "hc_mult": 4, "hc_eps": 1e-6, "hc_sinkhorn_iters": 20, "rms_norm_eps": 1e-5,
-      "num_nextn_predict_layers": 1, "max_position_embeddings": 256, "tie_word_embeddings": False,
+      "num_nextn_predict_layers": 1, "max_position_embeddings": 4096, "tie_word_embeddings": False,
   }
 
 
