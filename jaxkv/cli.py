@@ -8,6 +8,7 @@ import json
 import math
 import re
 import sys
+import time
 
 from jaxkv.engine.model_runner import get_model_family
 from jaxkv.kv_cache_config import CacheConfig, plan_kv_cache
@@ -291,16 +292,21 @@ def cmd_generate(args) -> int:
   max_len = args.max_model_len or min(config.max_position_embeddings,
                                       max(len(p) for p in prompts) + args.max_tokens)
   engine = _engine(args, family, config, max_len)
-  total = len(prompts) * args.max_tokens
-  done = [0]
+  import jax
 
-  def progress(eng, outs):
-    done[0] += sum(len(o.new_token_ids) for o in outs)
-    sys.stderr.write(f"\rstep {eng.num_steps}: {done[0]}/{total} tokens, {eng.num_compilations} compiled shapes")
-    sys.stderr.flush()
-
+  plan = engine.plan
+  print(f"jaxkv generate: {args.model_path or args.config} ({args.dtype}) on {jax.devices()[0].device_kind}; "
+        f"{plan.layout} cache, {plan.num_blocks} blocks of {plan.block_size} tokens "
+        f"({plan.num_blocks * plan.bytes_per_block / 2**20:,.1f} MiB), {len(prompts)} requests", file=sys.stderr)
+  print("jaxkv generate: the step compiles on first use of each token bucket (a GPU takes a minute per bucket at "
+        "the released dimensions)...", file=sys.stderr, flush=True)
+  progress = _progress(len(prompts) * args.max_tokens)
   reqs = engine.generate(prompts, sampling, progress=progress)
-  sys.stderr.write("\n")
+  generated = sum(len(r.output_token_ids) for r in reqs)
+  serving = progress.seconds - progress.compile_seconds
+  print(f"jaxkv generate: compiled {engine.num_compilations} step shapes in {progress.compile_seconds:.1f} s; "
+        f"{generated} tokens in {engine.num_steps} steps, {serving:.2f} s without compiling: "
+        f"{generated / max(serving, 1e-9):,.1f} tokens/s", file=sys.stderr)
   if args.json:
     text = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else (lambda ids: None)
     json.dump({"requests": [{"prompt_token_ids": r.prompt_token_ids, "output_token_ids": r.output_token_ids,
@@ -327,6 +333,40 @@ def cmd_generate(args) -> int:
   return 0
 
 
+class _progress:
+  """``LLMEngine.generate``'s progress callback: a bar on a terminal (tqdm), else a plain line every
+  5 seconds (logs get no carriage returns); it also times the steps that compiled."""
+
+  def __init__(self, total: int):
+    self.total, self.done = total, 0
+    self.start = self.last = self.line = time.perf_counter()
+    self.compile_seconds, self.compilations = 0.0, None
+    self.bar = None
+    if sys.stderr.isatty():
+      from tqdm.auto import tqdm
+
+      self.bar = tqdm(total=total, unit="tok", desc="generating", file=sys.stderr, leave=False)
+
+  def __call__(self, engine, outs) -> None:
+    now, compiled = time.perf_counter(), engine.num_compilations
+    if compiled > (self.compilations or 0):  # this step compiled a shape
+      self.compile_seconds += now - self.last
+    self.compilations, self.last = compiled, now
+    new = sum(len(o.new_token_ids) for o in outs)
+    self.done += new
+    if self.bar is not None:
+      self.bar.update(new)
+    elif now - self.line > 5:
+      self.line = now
+      print(f"jaxkv generate: step {engine.num_steps}, {self.done}/{self.total} tokens", file=sys.stderr, flush=True)
+
+  @property
+  def seconds(self) -> float:
+    if self.bar is not None:
+      self.bar.close()
+    return self.last - self.start
+
+
 _RANDOM_DRAFTS = ("random weights: the MTP layer's drafts are unrelated to the model's tokens, so almost none are "
                   "accepted; acceptance means something with --model-path and a trained checkpoint")
 
@@ -349,6 +389,8 @@ def cmd_bench(args) -> int:
   new_tokens = decode_new_tokens(args.batch, args.context, args.max_num_batched_tokens, args.steps, profile_steps,
                                  args.num_spec)
   engine = _engine(args, family, config, args.context + new_tokens)
+  print(f"jaxkv bench: compiling, prefilling {args.batch} x {args.context} tokens, then timing {args.steps} decode "
+        f"steps...", file=sys.stderr, flush=True)
   result = {"config": "checkpoint" if args.model_path else args.config,
             **benchmark_decode(engine, prompts, steps=args.steps, new_tokens=new_tokens, profile_dir=args.profile,
                                profile_steps=profile_steps),
@@ -386,8 +428,6 @@ def cmd_serve(args) -> int:
   llm = LLM.from_engine(engine, tokenizer=tokenizer, model=name)
   print(f"jaxkv serve: {name} ({args.dtype}) on http://{args.host}:{args.port}/v1 "
         f"(text: {'yes' if tokenizer else 'no tokenizer.json, token ids only'}); compiling...", file=sys.stderr)
-  import time
-
   t0 = time.perf_counter()
   engine.warmup()
   print(f"jaxkv serve: compiled {engine.num_compilations} step shapes in {time.perf_counter() - t0:.1f} s",
