@@ -1,4 +1,5 @@
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -199,3 +200,16 @@ def test_generate_and_bench_with_prefix_caching(capsys, tmp_path):
                "--enable-prefix-caching", "--json"]) == 0
   bench = json.loads(capsys.readouterr().out)
   assert bench["num_cached_tokens"] == 2 * 128 and bench["prefill_warm_s"] > 0
+
+
+def test_the_readme_speculative_example_drafts_on_the_shipped_mtp_checkpoint(capsys):
+  """README: ``--model-path tests/fixtures/hf/tiny-mtp --num-spec 3`` drafts; greedy tokens as without."""
+  path = str(pathlib.Path(__file__).parent / "fixtures" / "hf" / "tiny-mtp")
+  base = ["generate", "--model-path", path, "--prompt", "Hello world!", "--max-tokens", "5", "--json"]
+  assert main(base) == 0
+  plain = json.loads(capsys.readouterr().out)
+  assert main(base + ["--num-spec", "3"]) == 0
+  spec = json.loads(capsys.readouterr().out)
+  assert spec["draft_tokens"] > 0 and spec["num_spec"] == 3
+  assert spec["requests"][0]["output_token_ids"] == plain["requests"][0]["output_token_ids"]
+  assert spec["requests"][0]["text"] == plain["requests"][0]["text"]
