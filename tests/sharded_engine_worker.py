@@ -44,12 +44,12 @@ def _swap_run(engine, runner, c: dict, vocab: int) -> dict:
   from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
 
   rng = np.random.default_rng(8)
-  prompts = [[int(t) for t in rng.integers(1, vocab, n)] for n in (2 * 128 - 4, 2 * 128 - 6, 2 * 128 - 3)]
-  sampling = SamplingParams(max_tokens=8, logprobs=5)  # each crosses into its third block
+  prompts = [[int(t) for t in rng.integers(1, vocab, n)] for n in (128 - 4, 128 - 6, 128 - 3)]
+  sampling = SamplingParams(max_tokens=8, logprobs=5)  # each crosses into its second block (of 256 positions)
   state_blocks = engine.plan.blocks_per_request(1) - 1  # KDA groups + tail ring
-  tight = (1 + 3 * (state_blocks + 2) + 1) * engine.plan.bytes_per_block
+  tight = (1 + 3 * (state_blocks + 1) + 1) * engine.plan.bytes_per_block
   swapping = LLMEngine(runner, EngineConfig(
-      cache=CacheConfig(block_size=128, layout=engine.plan.layout, kernel_block_size=engine.plan.cache_config.kernel_block_size,
+      cache=CacheConfig(block_size=128, max_model_len=256, layout=engine.plan.layout, kernel_block_size=engine.plan.cache_config.kernel_block_size,
                         memory_bytes=tight), max_num_reqs=4, max_num_batched_tokens=128,
       buckets=(128,), tensor_parallel_size=c["tensor_parallel_size"], data_parallel_size=c["data_parallel_size"],
       enable_expert_parallel=c["enable_expert_parallel"], preemption_mode="swap"))
@@ -112,8 +112,8 @@ def main() -> int:
               "model": sum(x.size for x in leaves)}
     runner = Glm5NextRunner.from_model(model, implementation="pallas" if c["pallas"] else "auto")
     k = 2 if c["mtp"] else 0
-    cache = (CacheConfig(block_size=128, layout="dense", kernel_block_size=64, num_speculative_tokens=k) if c["dense"]
-             else CacheConfig(block_size=128, num_speculative_tokens=k))
+    cache = (CacheConfig(block_size=128, max_model_len=256, layout="dense", kernel_block_size=64, num_speculative_tokens=k) if c["dense"]
+             else CacheConfig(block_size=128, max_model_len=256, num_speculative_tokens=k))
     engine = LLMEngine(runner, EngineConfig(
         cache=cache, max_num_reqs=4, max_num_batched_tokens=128, buckets=(128,),
         tensor_parallel_size=c["tensor_parallel_size"], data_parallel_size=c["data_parallel_size"],

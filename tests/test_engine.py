@@ -241,3 +241,14 @@ def test_request_token_ids_window_equals_the_slice_of_the_whole_sequence():
   for start in range(-1, 9):
     for stop in range(start, 10):
       assert req.token_ids(start, stop) == whole[max(start, 0):max(stop, 0)], (start, stop)
+
+
+def test_unseeded_requests_draw_fresh_seeds():
+  """seed=None: a seed per request from the engine's fresh entropy (equal on every process of a
+  multi-process run: tests/test_sharded_engine.py), so unseeded samples of one prompt differ."""
+  a, b = LLMEngine(runner(), cfg()), LLMEngine(runner(), cfg())
+  hot = SamplingParams(max_tokens=2, temperature=1.0)
+  seeds_a = [a.add_request(f"r{i}", prompts()[0], hot).seed for i in range(4)]
+  seeds_b = [b.add_request(f"r{i}", prompts()[0], hot).seed for i in range(4)]
+  assert len(set(seeds_a)) == 4 and seeds_a != seeds_b and all(0 <= s < 2**31 for s in seeds_a)
+  assert a.add_request("fixed", prompts()[0], SamplingParams(seed=9)).seed == 9

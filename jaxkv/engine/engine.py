@@ -43,6 +43,17 @@ from pallas_kernels.step_metadata import compute_step_metadata
 __all__ = ["EngineConfig", "LLMEngine"]
 
 
+def _agreed_entropy() -> int:
+  """Fresh entropy for the requests that give no seed, the same on every process of a
+  multi-process run (each process builds the same step inputs: process 0's is broadcast)."""
+  value = secrets.randbits(31)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    value = int(multihost_utils.broadcast_one_to_all(np.int32(value)))
+  return value
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
   """Static engine settings.
@@ -380,6 +391,7 @@ class LLMEngine:
     self._lock = threading.RLock()  # one step at a time; add_request and abort wait for it
     self._arrivals = itertools.count()
     self.num_steps = 0
+    self._entropy = _agreed_entropy()
     self.num_draft_tokens = 0  # drafts verified
     self.num_accepted_tokens = 0  # of which accepted
 
@@ -439,9 +451,11 @@ class LLMEngine:
       if request_id in self._requests:
         raise ValueError(f"request id {request_id!r} is already in use.")
       ids = self._check_request(request_id, prompt_token_ids, sampling)
-      seed = secrets.randbits(31) if sampling.seed is None else sampling.seed  # None: fresh entropy
-      request = Request(request_id, ids, sampling, next(self._arrivals), seed=seed,
-                        state_slot=self.config.num_speculative_tokens)
+      arrival = next(self._arrivals)
+      seed = sampling.seed
+      if seed is None:  # fresh entropy: the engine's, mixed with the arrival (equal on every process)
+        seed = int(np.random.SeedSequence((self._entropy, arrival)).generate_state(1)[0]) % 2**31
+      request = Request(request_id, ids, sampling, arrival, seed=seed, state_slot=self.config.num_speculative_tokens)
       self._requests[request_id] = request
       self.scheduler.add(request)
       return request
