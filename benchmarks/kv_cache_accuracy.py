@@ -34,8 +34,8 @@ def serve(hf_model, prompts, kv_cache_dtype: str, new_tokens: int):
   from models.glm5_next.runner import Glm5NextRunner
 
   # One token bucket: a single compiled step per format (the tiny models are cheap at any size).
-  config = EngineConfig(cache=CacheConfig(kv_cache_dtype=kv_cache_dtype), max_num_reqs=len(prompts),
-                        max_num_batched_tokens=256, buckets=(256,))
+  cache = CacheConfig(kv_cache_dtype=kv_cache_dtype, max_model_len=hf_model.config.max_position_embeddings)
+  config = EngineConfig(cache=cache, max_num_reqs=len(prompts), max_num_batched_tokens=256, buckets=(256,))
   engine = LLMEngine(Glm5NextRunner.from_model(hf_model), config)
   reqs = engine.generate(prompts, SamplingParams(max_tokens=new_tokens, logprobs=5))
   return [(r.output_token_ids, r.output_logprobs) for r in reqs]
