@@ -69,10 +69,10 @@ def _auto_dtype(args, config) -> str:
   if args.model_path or args.command == "inspect":
     dtype, why = config.dtype, "the checkpoint's dtype" if args.model_path else "the config's dtype"
   else:
-    import jax
+    from jaxkv.entrypoints.llm import resolve_dtype  # one rule for LLM and the command line
 
-    cpu = jax.default_backend() == "cpu"
-    dtype, why = ("float32", "random weights on the CPU") if cpu else ("bfloat16", "random weights on a GPU")
+    dtype = resolve_dtype("auto", config, from_checkpoint=False)
+    why = "random weights on the CPU" if dtype == "float32" else "random weights on a GPU"
   if args.command != "inspect":
     print(f"jaxkv {args.command}: --dtype auto: {dtype} ({why})", file=sys.stderr)
   return dtype

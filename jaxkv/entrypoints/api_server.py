@@ -311,7 +311,7 @@ def build_app(llm: LLM, *, model_name: str | None = None, max_pending: int = 256
               yield _sse(_chunk(response_id, created, name, i, delta, None, chat, _logprobs(ev, chat, llm)))
             else:
               open_ -= 1
-              reason = "error" if ev[0] == "error" else _openai_reason(ev[1])
+              reason = "error" if ev[0] == "error" else ev[1]
               yield _sse(_chunk(response_id, created, name, i, {} if chat else "", reason, chat))
           if body.get("stream_options", {}).get("include_usage"):
             yield _sse({"id": response_id, "object": obj + ".chunk" if chat else obj, "created": created,
@@ -344,7 +344,7 @@ def build_app(llm: LLM, *, model_name: str | None = None, max_pending: int = 256
             token_ids[i] += ev[2]
             lps[i] += ev[3] or []
             continue
-          reason = "error" if ev[0] == "error" else _openai_reason(ev[1])
+          reason = "error" if ev[0] == "error" else ev[1]
           logprobs = _logprobs(("delta", texts[i], token_ids[i], lps[i]), chat, llm) if sampling.logprobs else None
           if chat:
             choices[i] = {"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": logprobs,
@@ -398,10 +398,6 @@ def _content_text(content):
   if isinstance(content, list):
     return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
   return content
-
-
-def _openai_reason(reason: str | None) -> str | None:
-  return {"abort": "abort", "error": "error"}.get(reason, reason)
 
 
 def _logprobs(ev, chat: bool, llm: LLM):

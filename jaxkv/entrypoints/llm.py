@@ -173,7 +173,7 @@ class LLM:
         if state is None or state.finished:
           continue
         state.add(step)
-        if step.request_id and step.num_cached_tokens and state.output.index == 0:
+        if step.num_cached_tokens and state.output.index == 0:
           out.num_cached_tokens = step.num_cached_tokens
         if state.finished:
           if not step.finished:
