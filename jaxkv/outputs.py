@@ -52,6 +52,9 @@ class RequestOutput:
     outputs: one ``CompletionOutput`` per sequence.
     finished: every sequence has finished.
     num_cached_tokens: prompt tokens found in the prefix cache (of the first sequence).
+    prompt_logprobs: with ``SamplingParams.prompt_logprobs``: None for the first prompt token,
+      then per prompt token ``{token_id: Logprob}``, the prompt token first (with its rank among
+      the vocabulary), then the top candidates (None when not asked for).
   """
 
   request_id: str
@@ -60,3 +63,4 @@ class RequestOutput:
   outputs: list[CompletionOutput]
   finished: bool = False
   num_cached_tokens: int = 0
+  prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -38,6 +38,7 @@ def server():
     p = PROMPTS[i % len(PROMPTS)]
     want[i] = llm.generate(p, offline_params(i))[0].outputs[0]
   chat_want = llm.chat([{"role": "user", "content": "Hi there"}], SamplingParams(max_tokens=6)).outputs[0]
+  prompt_lps_want = llm.generate(PROMPTS[1], SamplingParams(max_tokens=2, prompt_logprobs=2))[0].prompt_logprobs
   app = build_app(llm, model_name="tiny", max_pending=64)
   config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
   srv = uvicorn.Server(config)
@@ -50,7 +51,7 @@ def server():
   port = srv.servers[0].sockets[0].getsockname()[1]
   base = f"http://127.0.0.1:{port}"
   yield {"base": base, "client": openai.OpenAI(base_url=base + "/v1", api_key="none"), "want": want,
-         "chat_want": chat_want, "llm": llm, "app": app}
+         "chat_want": chat_want, "prompt_lps_want": prompt_lps_want, "llm": llm, "app": app}
   srv.should_exit = True
   thread.join(timeout=30)
 
@@ -116,6 +117,21 @@ def test_stop_strings_n_seeds_and_logprobs(server):
   chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
                                         temperature=0, logprobs=True, top_logprobs=3)
   assert all(len(t.top_logprobs) == 3 for t in chat.choices[0].logprobs.content)
+
+
+def test_prompt_logprobs_as_vllm_serves_them(server):
+  client, want = server["client"], server["prompt_lps_want"]
+  expected = [None] + [{str(t): lp.logprob for t, lp in e.items()} for e in want[1:]]
+
+  def values(entries):
+    return [None if e is None else {t: v["logprob"] for t, v in e.items()} for e in entries]
+
+  got = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+  assert values(got.choices[0].model_extra["prompt_logprobs"]) == expected
+  streamed = [c.choices[0].model_extra.get("prompt_logprobs") for c in client.completions.create(
+      model="tiny", prompt=PROMPTS[1], max_tokens=2, temperature=0, stream=True, extra_body={"prompt_logprobs": 2})]
+  assert values(next(s for s in streamed if s is not None)) == expected
 
 
 def test_bad_requests_answer_400_in_openais_shape(server):

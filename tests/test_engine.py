@@ -113,7 +113,7 @@ def test_async_steps_return_the_step_before_and_schedule_nothing_past_the_end():
     (dict(top_k=-2), "top_k must be 0 or -1"),
     (dict(n=0), "n must be >= 1, got 0"),
     (dict(stop=["ok", ""]), "stop must be a string or a sequence of non-empty strings"),
-    (dict(prompt_logprobs=1), "prompt_logprobs is not supported"),
+    (dict(prompt_logprobs=21), r"prompt_logprobs must be None or in \[0, 20\], got 21"),
 ])
 def test_sampling_values_are_checked(kw, message):
   with pytest.raises(ValueError, match=message):

@@ -3,7 +3,7 @@
 from jaxkv.engine.engine import EngineConfig, LLMEngine
 from jaxkv.engine.model_runner import MODEL_REGISTRY, ModelFamily, ModelRunner, get_model_family, plan_for
 from jaxkv.engine.parallel import make_mesh, replicated
-from jaxkv.engine.request import MAX_LOGPROBS, Request, RequestStatus, SamplingParams, StepOutput
+from jaxkv.engine.request import MAX_LOGPROBS, PromptLogprob, Request, RequestStatus, SamplingParams, StepOutput
 from jaxkv.engine.sampler import sample
 from jaxkv.engine.scheduler import ScheduledChunk, Scheduler
 
@@ -20,6 +20,7 @@ __all__ = [
     "MAX_LOGPROBS",
     "Request",
     "StepOutput",
+    "PromptLogprob",
     "RequestStatus",
     "SamplingParams",
     "ScheduledChunk",

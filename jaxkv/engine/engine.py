@@ -27,7 +27,7 @@ from jaxkv.block_copy import BlockRegions, copy_blocks, pad_block_ids
 from jaxkv.block_table import MultiGroupBlockTable
 from jaxkv.engine.model_runner import ModelRunner, plan_for
 from jaxkv.engine.parallel import cache_shardings, make_mesh, replicated
-from jaxkv.engine.request import MAX_LOGPROBS, Request, StepOutput, RequestStatus, SamplingParams, is_int
+from jaxkv.engine.request import MAX_LOGPROBS, PromptLogprob, Request, RequestStatus, SamplingParams, StepOutput, is_int
 from jaxkv.engine.sampler import sample
 from jaxkv.engine.scheduler import Scheduler
 from jaxkv.kv_cache_config import CacheConfig
@@ -165,6 +165,7 @@ class _PackedInputs:
   num_reqs: int
   widths: tuple[int, ...]
   num_drafts: int
+  prompt_logprobs: bool = False  # the step also returns every token's next-token log-probs
 
   @functools.cached_property
   def fields(self) -> dict[str, tuple[int, tuple[int, ...], int]]:
@@ -268,21 +269,21 @@ def _device_step(statics: _StepStatics, packing: _PackedInputs, param_leaves, ca
   inputs = StepInputs(input_ids, v["positions"], v["req_indices"], tuple(v[f"table{g}"] for g in groups),
                       tuple(v[f"count{g}"] for g in groups), None, v["state_slots"])  # metadata: _step's first act
   params = jax.tree.unflatten(statics.params_treedef, param_leaves)
-  out, caches, kernel_tables = _step(statics, params, caches, kernel_tables, inputs, v["sample_indices"], v["next_ids"],
-                                     v["draft_ids"], v["num_drafts"], v["temperature_f32"], v["top_p_f32"], v["top_k"],
-                                     v["seeds"], v["steps"])
-  out = _pack_outputs(*out), caches, kernel_tables
+  out, plp, caches, kernel_tables = _step(statics, params, caches, kernel_tables, inputs, v["sample_indices"],
+                                          v["next_ids"], v["draft_ids"], v["num_drafts"], v["temperature_f32"],
+                                          v["top_p_f32"], v["top_k"], v["seeds"], v["steps"],
+                                          prompt_logprobs=packing.prompt_logprobs)
+  out, plp = _pack_outputs(*out), None if plp is None else _pack_outputs(*plp)
   if statics.replicated is not None:
     # Whatever XLA's partitioner chose inside, the step's state leaves as it came: the next step
     # then finds the same input shardings (no recompilation) and its donated buffers fit.
-    out = (jax.lax.with_sharding_constraint(out[0], statics.replicated),
-           {name: jax.lax.with_sharding_constraint(c, statics.cache_shardings[name]) for name, c in out[1].items()},
-           jax.lax.with_sharding_constraint(out[2], statics.replicated))
-  return out
+    out, plp, kernel_tables = jax.lax.with_sharding_constraint((out, plp, kernel_tables), statics.replicated)
+    caches = {name: jax.lax.with_sharding_constraint(c, statics.cache_shardings[name]) for name, c in caches.items()}
+  return out, plp, caches, kernel_tables
 
 
 def _step(statics: _StepStatics, params, caches, kernel_tables, inputs: StepInputs, sample_indices, next_ids,
-          draft_ids, num_drafts, temperature, top_p, top_k, seeds, steps):
+          draft_ids, num_drafts, temperature, top_p, top_k, seeds, steps, *, prompt_logprobs: bool = False):
   """The step's metadata, the trunk over the step's tokens, verification and sampling of each
   sampling row, then the drafts for the next step.
 
@@ -293,7 +294,8 @@ def _step(statics: _StepStatics, params, caches, kernel_tables, inputs: StepInpu
   ``sample_indices [R, S]``: flat indices of a row's tokens whose logits are sampled (its last
   token and its drafts; -1: none). ``next_ids [T]``: the token after each step token when the host
   knows it (-1: the token sampled here). Returns ``(tokens [R, S], num_accepted [R], top-k
-  log-probabilities and ids [R, S, K], drafts [R, k])``, the caches and the kernel tables.
+  log-probabilities and ids [R, S, K], drafts [R, k])``, with ``prompt_logprobs`` every token's
+  next-token log-probs (``_next_token_logprobs``; else None), the caches and the kernel tables.
   """
   runner, layout = statics.runner, statics.layout
   meta = compute_step_metadata(inputs.block_tables, inputs.num_blocks, inputs.req_indices, inputs.positions,
@@ -301,6 +303,7 @@ def _step(statics: _StepStatics, params, caches, kernel_tables, inputs: StepInpu
   kernel_tables = meta.kernel_block_tables
   inputs = dataclasses.replace(inputs, metadata=meta)
   hidden, caches = runner.forward(params, caches, inputs, layout)
+  plp = _next_token_logprobs(runner, params, hidden, next_ids) if prompt_logprobs else None
   logits = runner.compute_logits(params, hidden[jnp.maximum(sample_indices, 0)])  # [R, S, V]
   tokens, num_accepted, top_lp, top_ids = sample(logits, temperature, top_p, top_k, seeds, steps, draft_ids,
                                                 num_drafts)
@@ -314,7 +317,27 @@ def _step(statics: _StepStatics, params, caches, kernel_tables, inputs: StepInpu
     next_ids = jnp.where(next_ids >= 0, next_ids, sampled)
     last = jnp.take_along_axis(sample_indices, num_accepted[:, None], axis=1)[:, 0]  # [R]
     draft_ids, caches = runner.propose_drafts(params, caches, hidden, next_ids, inputs, last, layout, num_drafts=k)
-  return (tokens, num_accepted, top_lp, top_ids, draft_ids), caches, kernel_tables
+  return (tokens, num_accepted, top_lp, top_ids, draft_ids), plp, caches, kernel_tables
+
+
+# Tokens whose LM head runs at once in ``_next_token_logprobs``: bounds its [rows, vocabulary]
+# float32 logits (a 2,048-token step of a 154k vocabulary would take 1.3 GB at once).
+_LOGPROB_ROWS = 128
+
+
+def _next_token_logprobs(runner, params, hidden, next_ids):
+  """For each step token ``t``: the log-prob of the token after it (``next_ids [T]``, where the
+  host knows it) and its rank among the vocabulary (1: most probable; ties count for the token),
+  and the top ``MAX_LOGPROBS`` log-probs ``[T, K]`` with their ids, computed as the sampler does
+  (float32 log-softmax of the LM head's logits)."""
+
+  def one(h, target):
+    logprobs = jax.nn.log_softmax(runner.compute_logits(params, h[None]).astype(jnp.float32)[0])
+    top_lp, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logprobs.shape[-1]))
+    target_lp = logprobs[jnp.maximum(target, 0)]
+    return target_lp, (jnp.sum(logprobs > target_lp) + 1).astype(jnp.int32), top_lp, top_ids
+
+  return jax.lax.map(lambda x: one(*x), (hidden, next_ids), batch_size=min(_LOGPROB_ROWS, hidden.shape[0]))
 
 
 class LLMEngine:
@@ -472,12 +495,14 @@ class LLMEngine:
 
   # -- step ------------------------------------------------------------------------------------
 
-  def warmup(self) -> int:
+  def warmup(self, *, prompt_logprobs: bool = False) -> int:
     """Compiles the step for every token bucket before serving (vLLM captures its CUDA graphs at
-    start-up): one step of padding tokens per bucket, which writes nothing. Returns
-    ``num_compilations``."""
+    start-up): one step of padding tokens per bucket, which writes nothing. ``prompt_logprobs``:
+    also the steps that serve requests asking for them (else compiled at their first use).
+    Returns ``num_compilations``."""
     for bucket in self.config.token_buckets:
-      self._read_back(self._launch([], bucket)[0])
+      for plp in (False, True)[:1 + prompt_logprobs]:
+        self._read_back(self._launch([], bucket, prompt_logprobs=plp)[0])
     self._copy_blocks([], warmup=True)
     return self.num_compilations
 
@@ -539,58 +564,63 @@ class LLMEngine:
     self._requests.pop(request.request_id, None)
     return StepOutput(request.request_id, [], [], True, "error", request.num_cached_tokens)
 
-  def _launch(self, chunks, bucket: int):
+  def _launch(self, chunks, bucket: int, *, prompt_logprobs: bool = False):
     """Lays the chunks out in ``bucket`` tokens and dispatches the jitted step (one transfer in).
-    Returns the packed outputs without waiting for them (None when no chunk could be laid out),
-    the chunks laid out, and ``(request, error)`` for the others, whose tokens stay padding."""
+    Returns the packed outputs and prompt log-probs (None unless a chunk computes prompt tokens of
+    a request that asks for them, or ``prompt_logprobs``) without waiting for them (None when no
+    chunk could be laid out), the chunks laid out, and ``(request, error)`` for the others, whose
+    tokens stay padding."""
     cfg = self.config
     k = cfg.num_speculative_tokens
     r = cfg.max_num_reqs
-    packing = self._packings.get(bucket)
+    prompt_logprobs = prompt_logprobs or any(
+        c.request.sampling.prompt_logprobs is not None and c.start < len(c.request.prompt_token_ids) - 1 for c in chunks)
+    packing = self._packings.get((bucket, prompt_logprobs))
     if packing is None:
-      packing = self._packings[bucket] = _PackedInputs(bucket, r, tuple(bt.width for bt in self.tables.block_tables), k)
+      packing = self._packings[bucket, prompt_logprobs] = _PackedInputs(
+          bucket, r, tuple(bt.width for bt in self.tables.block_tables), k, prompt_logprobs)
     buf = packing.template.copy()
     v = packing.host_views(buf)
-    at = 0
     laid_out, failed = [], []
     for c in chunks:
       try:
-        self._lay_out(v, at, c, k)
+        self._lay_out(v, c, k)
         laid_out.append(c)
       except (ValueError, TypeError, OverflowError) as err:
-        self._clear(packing, v, at, c)
+        self._clear(packing, v, c)
         failed.append((c.request, err))
-      at += c.num_tokens
     if chunks and not laid_out:
       return None, [], failed
     for g, bt in enumerate(self.tables.block_tables):
       v[f"table{g}"][...] = bt.block_table
       v[f"count{g}"][...] = bt.num_blocks_per_row
     packed = jax.device_put(buf, self._placement)  # one host-to-device transfer for the whole step
-    out, self.caches, self.kernel_tables = _device_step(self._statics, packing, self._param_leaves, self.caches,
-                                                        self.kernel_tables, packed, self._prev_out)
+    out, plp, self.caches, self.kernel_tables = _device_step(self._statics, packing, self._param_leaves, self.caches,
+                                                             self.kernel_tables, packed, self._prev_out)
     self._prev_out = out
-    out.copy_to_host_async()  # the read-back then waits only for the step, not for a transfer after it
+    for a in (out, plp) if plp is not None else (out,):
+      a.copy_to_host_async()  # the read-back then waits only for the step, not for a transfer after it
     if self._async:
       for c in laid_out:
         if c.samples:
           c.request.num_in_flight += 1
           c.request.in_flight_row = c.request.row
-    return out, laid_out, failed
+    return (out, plp), laid_out, failed
 
   @staticmethod
-  def _clear(packing: _PackedInputs, v, at: int, c) -> None:
+  def _clear(packing: _PackedInputs, v, c) -> None:
     """Back to padding: the chunk's tokens and its request's row fields."""
     for name, (_, _, default) in packing.fields.items():
       if name in _TOKEN_FIELDS:
-        v[name][at:at + c.num_tokens] = default
+        v[name][c.offset:c.offset + c.num_tokens] = default
       elif not name.startswith(("table", "count")):  # the block tables are the host's, whole
         v[name][c.request.row] = default
 
   @staticmethod
-  def _lay_out(v, at: int, c, k: int) -> None:
-    """One chunk's tokens from ``at`` and its request's row fields."""
+  def _lay_out(v, c, k: int) -> None:
+    """One chunk's tokens from its offset and its request's row fields."""
     req = c.request
+    at = c.offset
     end = c.start + c.num_tokens
     ids = req.token_ids(c.start, end)  # the chunk's known tokens and drafts
     known_ids = len(ids)
@@ -614,20 +644,30 @@ class LLMEngine:
       v["seeds"][req.row] = req.seed
       v["steps"][req.row] = len(req.output_token_ids) + req.num_in_flight
 
-  def _read_back(self, out: jax.Array) -> list[np.ndarray]:
-    return _unpack_outputs(np.asarray(jax.device_get(out)), self._out_shapes)  # one transfer back
+  def _read_back(self, out: tuple[jax.Array, jax.Array | None]) -> list:
+    """The step's outputs (one transfer back), then its prompt log-probs (``_next_token_logprobs``'s
+    four arrays, or None)."""
+    flat, plp = jax.device_get(out)
+    if plp is not None:
+      top = min(MAX_LOGPROBS, self.runner.vocab_size)
+      t = plp.size // (2 + 2 * top)
+      plp = _unpack_outputs(np.asarray(plp), [((t,), np.float32), ((t,), np.int32), ((t, top), np.float32),
+                                              ((t, top), np.int32)])
+    return _unpack_outputs(np.asarray(flat), self._out_shapes) + [plp]
 
   def _next_drafts(self, request: Request, drafts: list[int]) -> list[int]:
     """The drafts to verify next step (the MTP layer's); a seam for tests that force drafts."""
     return drafts
 
-  def _update(self, chunks, tokens, num_accepted, top_lp, top_ids, drafts) -> list[StepOutput]:
+  def _update(self, chunks, tokens, num_accepted, top_lp, top_ids, drafts, plp) -> list[StepOutput]:
     k = self.config.num_speculative_tokens
     outputs = []
     for c in chunks:
       req = c.request
       if req.status in (RequestStatus.FINISHED, RequestStatus.ABORTED):
         continue  # ended while this step was in flight (a stop token, an abort): nothing to emit
+      if plp is not None and req.sampling.prompt_logprobs is not None:
+        self._add_prompt_logprobs(req, c, plp)
       if c.samples and self._async:
         req.num_in_flight -= 1
       # Rollback: positions of rejected drafts count as not computed (later steps overwrite their
@@ -642,6 +682,7 @@ class LLMEngine:
       self.num_draft_tokens += c.num_drafts
       self.num_accepted_tokens += a
       row = c.row
+      first = not req.output_token_ids
       new_ids, new_lps, reason = [], [], None
       for j in range(a + 1):
         token = int(tokens[row, j])
@@ -664,9 +705,23 @@ class LLMEngine:
         # No draft past the last token the request may emit (its verify step emits drafts + 1).
         room = req.sampling.max_tokens - len(req.output_token_ids) - 1
         req.spec_token_ids = self._next_drafts(req, [int(x) for x in drafts[row, :min(k, room)]])
+      prompt_lps = list(req.prompt_logprobs) if first and req.sampling.prompt_logprobs is not None else None
       outputs.append(StepOutput(req.request_id, new_ids, new_lps if req.sampling.logprobs else [],
-                                   reason is not None, reason, req.num_cached_tokens))
+                                reason is not None, reason, req.num_cached_tokens, prompt_lps))
     return outputs
+
+  @staticmethod
+  def _add_prompt_logprobs(req: Request, c, plp) -> None:
+    """The entries of the prompt tokens after the chunk's tokens, in order; positions computed
+    again (a preempted request recomputes its prompt) keep their first entry."""
+    target_lp, rank, top_lp, top_ids = plp
+    prompt, n, done = req.prompt_token_ids, req.sampling.prompt_logprobs, len(req.prompt_logprobs)
+    if c.start > done:  # no prompt token is ever skipped (such requests take no prefix-cache hit)
+      raise RuntimeError(f"request {req.request_id}: prompt log-probs of positions {done}..{c.start} were not computed.")
+    for p in range(done, min(c.start + c.num_tokens, len(prompt) - 1)):
+      i = c.offset + p - c.start
+      req.prompt_logprobs.append(PromptLogprob(prompt[p + 1], float(target_lp[i]), int(rank[i]),
+                                               [(int(t), float(v)) for t, v in zip(top_ids[i, :n], top_lp[i, :n])]))
 
   def generate(self, prompts: Iterable[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
                *, progress=None) -> list[Request]:

@@ -9,9 +9,20 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["SamplingParams", "Request", "RequestStatus", "StepOutput", "MAX_LOGPROBS"]
+__all__ = ["SamplingParams", "Request", "RequestStatus", "StepOutput", "PromptLogprob", "MAX_LOGPROBS"]
 
 MAX_LOGPROBS = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLogprob:
+  """A prompt token's log-probability given the tokens before it, its rank among the vocabulary
+  (1: most probable) and the ``prompt_logprobs`` most probable candidates as (id, log-prob)."""
+
+  token_id: int
+  logprob: float
+  rank: int
+  top: list[tuple[int, float]]
 
 
 def is_int(value) -> bool:
@@ -35,7 +46,9 @@ class SamplingParams:
       tokenizer; the token-level engine refuses them).
     logprobs: top-k log-probabilities to return per generated token (None or 0 to 20).
     n: output sequences per prompt (``jaxkv.LLM`` runs them as requests seeded ``seed + i``).
-    prompt_logprobs: not supported (None): the step computes logits at sampled positions only.
+    prompt_logprobs: top-k log-probabilities of each prompt token after the first, with the
+      prompt token's own (None: off; 0 to 20). Such a request computes its whole prompt (no
+      prefix-cache hit, as in vLLM) in steps that also run the LM head over every prompt token.
   """
 
   max_tokens: int = 16
@@ -61,7 +74,8 @@ class SamplingParams:
       object.__setattr__(self, "logprobs", 0)
     if is_int(self.top_k) and self.top_k == -1:
       object.__setattr__(self, "top_k", 0)
-    for name in ("max_tokens", "logprobs", "top_k", "n"):
+    for name in ("max_tokens", "logprobs", "top_k", "n") + (("prompt_logprobs",) if self.prompt_logprobs is not None
+                                                           else ()):
       if not is_int(getattr(self, name)):
         raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}.")
     for name in ("temperature", "top_p"):
@@ -86,9 +100,8 @@ class SamplingParams:
       raise ValueError(f"stop_token_ids must be a sequence of integer token ids, got {self.stop_token_ids!r}.")
     if not isinstance(self.stop, tuple) or not all(isinstance(t, str) and t for t in self.stop):
       raise ValueError(f"stop must be a string or a sequence of non-empty strings, got {self.stop!r}.")
-    if self.prompt_logprobs is not None:
-      raise ValueError("prompt_logprobs is not supported: the step computes logits at the sampled positions "
-                       "only; leave it None.")
+    if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+      raise ValueError(f"prompt_logprobs must be None or in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}.")
 
 
 class RequestStatus(enum.Enum):
@@ -109,6 +122,9 @@ class Request:
   seed: int = 0  # the sampling seed (``sampling.seed``, or fresh entropy when that is None)
   output_token_ids: list[int] = dataclasses.field(default_factory=list)
   output_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+  # With ``sampling.prompt_logprobs``: per prompt position from 1, the prompt token's log-prob,
+  # its rank (1: most probable) and the top candidates as (id, log-prob).
+  prompt_logprobs: list[PromptLogprob] = dataclasses.field(default_factory=list)
   num_computed_tokens: int = 0
   num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when last admitted
   status: RequestStatus = RequestStatus.WAITING
@@ -164,3 +180,6 @@ class StepOutput:
   finished: bool
   finish_reason: str | None = None
   num_cached_tokens: int = 0  # of the prompt, from the prefix cache (vLLM's field)
+  # With ``sampling.prompt_logprobs``, on the output with the first new token: every prompt
+  # position's entry (``Request.prompt_logprobs``, position 0 has none).
+  prompt_logprobs: list[PromptLogprob] | None = None

@@ -30,7 +30,7 @@ class ScheduledChunk:
   the request's last token, whose logits pick the next one (fixed when scheduled);
   ``num_drafts``: speculative tokens after it, verified in the same step; ``row``: the request's
   block-table row in this step (where its outputs are, even if it is preempted before they are
-  read back)."""
+  read back); ``offset``: where its tokens start in the step."""
 
   request: Request
   start: int
@@ -38,6 +38,7 @@ class ScheduledChunk:
   samples: bool
   num_drafts: int = 0
   row: int = -1
+  offset: int = 0
 
 
 class Scheduler:
@@ -127,10 +128,11 @@ class Scheduler:
     return request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens
 
   @staticmethod
-  def _chunk(request: Request, n: int) -> ScheduledChunk:
+  def _chunk(request: Request, n: int, offset: int) -> ScheduledChunk:
     start = request.num_computed_tokens
     end = start + n
-    return ScheduledChunk(request, start, n, end >= request.num_tokens, max(0, end - request.num_tokens), request.row)
+    return ScheduledChunk(request, start, n, end >= request.num_tokens, max(0, end - request.num_tokens), request.row,
+                          offset)
 
   def schedule(self) -> list[ScheduledChunk]:
     budget = self.budget
@@ -150,7 +152,7 @@ class Scheduler:
         if victim is request:
           break
       else:
-        chunks.append(self._chunk(request, n))
+        chunks.append(self._chunk(request, n, self.budget - budget))
         budget -= n
     while self.waiting and budget > 0 and self.free_rows:
       request = self.waiting[0]
@@ -158,7 +160,9 @@ class Scheduler:
       if swapped and id(request) in self._preempted_now:
         break  # swapped out during this schedule: its blocks are gathered when this step is dispatched
       hits = None
-      if not swapped:
+      if not swapped and request.sampling.prompt_logprobs is not None:
+        request.num_computed_tokens = 0  # every prompt token's logits are wanted: no hit (vLLM too)
+      elif not swapped:
         if self.connector is not None:
           self.connector.get_num_new_matched_tokens(self.kv, request.request_id, request.all_token_ids)
         hits, request.num_computed_tokens = self.kv.get_computed_blocks(request.request_id, request.all_token_ids)
@@ -181,7 +185,7 @@ class Scheduler:
         request.num_cached_tokens = request.num_computed_tokens
       request.status = RequestStatus.RUNNING
       self.running.append(request)
-      chunks.append(self._chunk(request, n))
+      chunks.append(self._chunk(request, n, self.budget - budget))
       budget -= n
     for c in chunks:
       c.request.num_computed_tokens += c.num_tokens

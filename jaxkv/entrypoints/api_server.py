@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, gen
 
 from jaxkv.engine.request import SamplingParams
 from jaxkv.entrypoints.llm import LLM
+from jaxkv.entrypoints.output_processor import prompt_logprob_dicts
 
 __all__ = ["EngineLoop", "build_app", "serve"]
 
@@ -30,8 +31,9 @@ __all__ = ["EngineLoop", "build_app", "serve"]
 class EngineLoop:
   """The engine's thread: admits, aborts and steps; streams each sequence's deltas to its queue.
 
-  Events on a sequence's queue: ``("delta", text, token_ids, logprobs)`` and, last, ``("done",
-  finish_reason, stop_reason)`` or ``("error", message)``.
+  Events on a sequence's queue: ``("prompt_logprobs", entries)`` (first, when asked for),
+  ``("delta", text, token_ids, logprobs)`` and, last, ``("done", finish_reason, stop_reason)`` or
+  ``("error", message)``.
   """
 
   def __init__(self, llm: LLM, *, max_pending: int = 256):
@@ -99,6 +101,9 @@ class EngineLoop:
         if step.new_token_ids and not state.output.token_ids:
           self.ttft.append(time.perf_counter() - t0)
         first = not state.output.token_ids
+        if step.prompt_logprobs is not None and state.output.index == 0:
+          loop.call_soon_threadsafe(q.put_nowait, ("prompt_logprobs", _prompt_logprobs_json(
+              prompt_logprob_dicts(step.prompt_logprobs, self.llm.tokenizer))))
         before = len(state.output.logprobs or ())
         text, ids = state.add(step)
         self.stats["generation_tokens"] += len(ids)
@@ -159,7 +164,8 @@ def _error(status: int, message: str, kind: str, param: str | None = None):
 
 
 def _sampling(body: dict, *, chat: bool) -> SamplingParams:
-  """OpenAI's request fields (and vLLM's extras: top_k, seed, stop_token_ids) as SamplingParams.
+  """OpenAI's request fields (and vLLM's extras: top_k, seed, stop_token_ids, prompt_logprobs) as
+  SamplingParams.
   OpenAI's defaults: temperature 1, 16 tokens for completions, the model's room for chat."""
   def get(name, kind, default):
     value = body.get(name, default)
@@ -186,7 +192,8 @@ def _sampling(body: dict, *, chat: bool) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=get("temperature", float, 1.0),
                           top_p=get("top_p", float, 1.0), top_k=get("top_k", int, 0), n=get("n", int, 1),
                           seed=get("seed", int, None), stop=tuple(stop),
-                          stop_token_ids=tuple(get("stop_token_ids", list, [])), logprobs=logprobs)
+                          stop_token_ids=tuple(get("stop_token_ids", list, [])), logprobs=logprobs,
+                          prompt_logprobs=get("prompt_logprobs", int, None))
   except ValueError as e:
     raise _BadRequest(str(e)) from None
 
@@ -294,7 +301,7 @@ def build_app(llm: LLM, *, model_name: str | None = None, max_pending: int = 256
           while True:
             ev = await q.get()
             await merged.put((i, ev))
-            if ev[0] != "delta":
+            if ev[0] in ("done", "error"):
               return
 
         tasks = [asyncio.create_task(pump(i, q)) for i, q in enumerate(queues)]
@@ -305,7 +312,11 @@ def build_app(llm: LLM, *, model_name: str | None = None, max_pending: int = 256
               yield _sse(_chunk(response_id, created, name, i, {"role": "assistant", "content": ""}, None, chat))
           while open_:
             i, ev = await merged.get()
-            if ev[0] == "delta":
+            if ev[0] == "prompt_logprobs":
+              chunk = _chunk(response_id, created, name, i, {} if chat else "", None, chat)
+              chunk["choices"][0]["prompt_logprobs"] = ev[1]
+              yield _sse(chunk)
+            elif ev[0] == "delta":
               completion_tokens += len(ev[2])
               delta = {"content": ev[1]} if chat else ev[1]
               yield _sse(_chunk(response_id, created, name, i, delta, None, chat, _logprobs(ev, chat, llm)))
@@ -329,6 +340,7 @@ def build_app(llm: LLM, *, model_name: str | None = None, max_pending: int = 256
     texts = [""] * len(queues)
     token_ids: list[list[int]] = [[] for _ in queues]
     lps: list[list] = [[] for _ in queues]
+    prompt_lps: list = [None] * len(queues)
     try:
       for i, q in enumerate(queues):
         while True:
@@ -338,6 +350,9 @@ def build_app(llm: LLM, *, model_name: str | None = None, max_pending: int = 256
             if await request.is_disconnected():
               abort_all()
               return JSONResponse({}, status_code=499)
+            continue
+          if ev[0] == "prompt_logprobs":
+            prompt_lps[i] = ev[1]
             continue
           if ev[0] == "delta":
             texts[i] += ev[1]
@@ -353,6 +368,8 @@ def build_app(llm: LLM, *, model_name: str | None = None, max_pending: int = 256
             choices[i] = {"index": i, "text": texts[i], "logprobs": logprobs, "finish_reason": reason}
           if ev[0] == "error":
             choices[i]["error"] = ev[1]
+          if prompt_lps[i] is not None:
+            choices[i]["prompt_logprobs"] = prompt_lps[i]
           break
     except asyncio.CancelledError:
       abort_all()
@@ -418,6 +435,13 @@ def _logprobs(ev, chat: bool, llm: LLM):
                         for s, lp, top in entries]}
   return {"tokens": [s for s, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
           "top_logprobs": [dict(top) for _, _, top in entries], "text_offset": None}
+
+
+def _prompt_logprobs_json(entries: list) -> list:
+  """vLLM's ``prompt_logprobs`` field: None for the first prompt token, then per token
+  ``{"<id>": {"logprob", "rank", "decoded_token"}}``."""
+  return [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                                  for t, lp in e.items()} for e in entries]
 
 
 def _chunk(response_id, created, model, index, delta, finish_reason, chat, logprobs=None) -> dict:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from jaxkv.engine.engine import EngineConfig, LLMEngine
 from jaxkv.engine.model_runner import get_model_family
 from jaxkv.engine.request import SamplingParams, is_int
-from jaxkv.entrypoints.output_processor import SequenceState, engine_params
+from jaxkv.entrypoints.output_processor import SequenceState, engine_params, prompt_logprob_dicts
 from jaxkv.kv_cache_config import CacheConfig
 from jaxkv.outputs import RequestOutput
 from jaxkv.tokenizer import Tokenizer, builtin_tokenizer_dir
@@ -173,6 +173,8 @@ class LLM:
         if state is None or state.finished:
           continue
         state.add(step)
+        if step.prompt_logprobs is not None and state.output.index == 0:
+          out.prompt_logprobs = prompt_logprob_dicts(step.prompt_logprobs, self.tokenizer)
         if step.num_cached_tokens and state.output.index == 0:
           out.num_cached_tokens = step.num_cached_tokens
         if state.finished:

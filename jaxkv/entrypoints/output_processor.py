@@ -6,20 +6,36 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxkv.engine.request import SamplingParams, StepOutput
+from jaxkv.engine.request import PromptLogprob, SamplingParams, StepOutput
 from jaxkv.outputs import CompletionOutput, Logprob
 from jaxkv.tokenizer import Tokenizer
 
-__all__ = ["SequenceState", "engine_params"]
+__all__ = ["SequenceState", "engine_params", "prompt_logprob_dicts"]
 
 
 def engine_params(sampling: SamplingParams, index: int, eos_token_ids: tuple[int, ...]) -> SamplingParams:
   """The engine's parameters of sequence ``index`` of a request: one sequence, seeded ``seed +
   index`` (fresh entropy each when the seed is None), stopping at the end-of-sequence ids too;
-  stop strings are this layer's."""
+  stop strings are this layer's; the prompt's log-probs are the first sequence's to compute."""
   seed = None if sampling.seed is None else (sampling.seed + index) % 2**31
   stops = sampling.stop_token_ids + tuple(t for t in eos_token_ids if t not in sampling.stop_token_ids)
-  return dataclasses.replace(sampling, n=1, stop=(), seed=seed, stop_token_ids=stops)
+  prompt_logprobs = sampling.prompt_logprobs if index == 0 else None
+  return dataclasses.replace(sampling, n=1, stop=(), seed=seed, stop_token_ids=stops, prompt_logprobs=prompt_logprobs)
+
+
+def prompt_logprob_dicts(entries: list[PromptLogprob], tokenizer: Tokenizer | None) -> list[dict[int, Logprob] | None]:
+  """vLLM's ``RequestOutput.prompt_logprobs``: None for the first prompt token, then per token
+  ``{token_id: Logprob}`` with the prompt token first and the top candidates."""
+  def text(t):
+    return None if tokenizer is None else tokenizer.decode([t], skip_special_tokens=False)
+
+  out: list[dict[int, Logprob] | None] = [None]
+  for e in entries:
+    d = {e.token_id: Logprob(e.logprob, e.rank, text(e.token_id))}
+    for rank, (t, lp) in enumerate(e.top, 1):
+      d.setdefault(t, Logprob(lp, rank, text(t)))
+    out.append(d)
+  return out
 
 
 class SequenceState:
