@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from jaxkv import LLM, CacheConfig
+from jaxkv.tokenizer import Tokenizer, builtin_tokenizer_dir
 from jaxkv.engine import EngineConfig, SamplingParams
 from test_engine_equivalence import LLMEngine, cfg, prompts, runner
 
@@ -60,8 +61,10 @@ def test_chunked_prompt_beside_other_requests(async_scheduling):
 
 
 def test_no_prefix_cache_hit_for_a_request_that_wants_them():
+  # test_prefix_caching's settings: the same compiled step where pytest's worker ran those tests.
   engine = LLMEngine(runner(), EngineConfig(cache=CacheConfig(block_size=128, max_model_len=512), buckets=(128,),
-                                            max_num_batched_tokens=128, enable_prefix_caching=True))
+                                            max_num_batched_tokens=128, enable_prefix_caching=True,
+                                            async_scheduling=False))
   prompt = [int(t) for t in np.random.default_rng(3).integers(1, 256, 276)]
   engine.generate([prompt], SamplingParams(max_tokens=2))
   hit = engine.generate([prompt], SamplingParams(max_tokens=2))[0]
@@ -81,7 +84,8 @@ def test_warmup_compiles_the_prompt_logprob_steps():
 
 
 def test_llm_returns_vllm_shaped_prompt_logprobs():
-  llm = LLM()
+  # The tiny model's tokenizer over the engine the other tests use (its compiled steps too).
+  llm = LLM.from_engine(LLMEngine(runner(), cfg()), tokenizer=Tokenizer(builtin_tokenizer_dir("glm-5.3-flash-tiny")))
   out = llm.generate("hello world, hello", SamplingParams(max_tokens=2, prompt_logprobs=3, n=2, seed=1,
                                                           temperature=1.0))[0]
   ids = out.prompt_token_ids
