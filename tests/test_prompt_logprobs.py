@@ -96,3 +96,27 @@ def test_llm_returns_vllm_shaped_prompt_logprobs():
     assert {lp.rank for lp in entry.values()} >= {1, 2, 3}
     assert len(entry) == (3 if entry[t].rank <= 3 else 4)  # the prompt token, then the top 3 (it may be one)
   assert llm.generate("hello", SamplingParams(max_tokens=1))[0].prompt_logprobs is None
+
+
+def test_sampled_tokens_carry_their_own_logprob_in_or_out_of_the_top_k():
+  """Hot sampling with logprobs=1 emits tokens below the top one: each still has its log-prob and
+  rank, and they are what the prompt log-probs of the same sequence say (another path: the LM
+  head over every token)."""
+  engine = LLMEngine(runner(), cfg())
+  prompt = list(prompts()[0])
+  r = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=3.0, seed=5, logprobs=1))[0]
+  own = r.output_token_logprobs
+  assert len(own) == 8 and any(rank > 1 for _, rank in own)
+  for (lp, rank), top, t in zip(own, r.output_logprobs, r.output_token_ids):
+    assert (rank == 1) == (top[0][0] == t) and (rank > 1 or lp == top[0][1])
+  again = engine.generate([prompt + r.output_token_ids], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+  entries = again.prompt_logprobs[len(prompt) - 1:]
+  assert [e.token_id for e in entries] == r.output_token_ids
+  assert [e.rank for e in entries] == [rank for _, rank in own]
+  np.testing.assert_allclose([e.logprob for e in entries], [lp for lp, _ in own], atol=2e-6)
+  # jaxkv.LLM: the sampled token first in each position's dict, as vLLM orders it.
+  llm = LLM.from_engine(engine)
+  seq = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=3.0, seed=5, logprobs=1))[0].outputs[0]
+  assert seq.token_ids == r.output_token_ids
+  for t, entry, (lp, rank) in zip(seq.token_ids, seq.logprobs, own):
+    assert next(iter(entry)) == t and entry[t].rank == rank and entry[t].logprob == lp

@@ -184,7 +184,7 @@ def test_greedy_verification_accepts_the_longest_agreeing_prefix():
   drafts[2, 1] += 1  # rejects at 1
   drafts[3, 2] += 1  # rejects at 2
   num_drafts = jnp.asarray([3, 3, 3, 3, 2, 0], jnp.int32)  # row 4: two drafts; row 5: none
-  tokens, accepted, _, _ = _sample(logits, jnp.asarray(drafts), num_drafts, 0.0)
+  tokens, accepted, *_ = _sample(logits, jnp.asarray(drafts), num_drafts, 0.0)
   assert list(np.asarray(accepted)) == [3, 0, 1, 2, 2, 0]
   for row, a in enumerate(np.asarray(accepted)):
     assert list(np.asarray(tokens)[row, :a + 1]) == list(greedy[row, :a + 1])
@@ -197,7 +197,7 @@ def test_speculative_sampling_keeps_the_target_distribution():
   logits = jnp.broadcast_to(base, (n, 2, v))
   p = np.asarray(jax.nn.softmax(base))
   for draft in (0, 3):  # a likely and an unlikely draft
-    tokens, accepted, _, _ = _sample(logits, jnp.full((n, 1), draft, jnp.int32), jnp.ones(n, jnp.int32), 1.0)
+    tokens, accepted, *_ = _sample(logits, jnp.full((n, 1), draft, jnp.int32), jnp.ones(n, jnp.int32), 1.0)
     first = np.asarray(tokens)[:, 0]
     freq = np.bincount(first, minlength=v) / n
     assert np.all(np.abs(freq - p) < 4 * np.sqrt(p * (1 - p) / n)), (draft, freq, p)
@@ -220,7 +220,7 @@ def test_a_draw_does_not_depend_on_the_drafts():
     drafts = undrafted[:, :3].copy()
     if reject_at < 3:
       drafts[:, reject_at] = (drafts[:, reject_at] + 1) % 50
-    tokens, accepted, _, _ = _sample(logits, jnp.asarray(drafts), jnp.full(n, 3, jnp.int32), 0.9, 0.95, seeds, steps)
+    tokens, accepted, *_ = _sample(logits, jnp.asarray(drafts), jnp.full(n, 3, jnp.int32), 0.9, 0.95, seeds, steps)
     assert list(np.asarray(accepted)) == [reject_at] * n
     np.testing.assert_array_equal(np.asarray(tokens)[:, :reject_at + 1], undrafted[:, :reject_at + 1])
 
@@ -254,7 +254,7 @@ def test_top_p_draws_follow_the_sorted_nucleus():
     order = np.argsort(-p, kind="stable")
     nucleus = np.zeros(v, bool)
     nucleus[order] = (np.cumsum(p[order]) - p[order]) < top_p
-    tokens, _, _, _ = _sample(jnp.broadcast_to(base, (n, 1, v)), jnp.zeros((n, 0), jnp.int32), jnp.zeros(n, jnp.int32),
+    tokens, *_ = _sample(jnp.broadcast_to(base, (n, 1, v)), jnp.zeros((n, 0), jnp.int32), jnp.zeros(n, jnp.int32),
                               1.0, top_p)
     first = np.asarray(tokens)[:, 0]
     assert nucleus[first].all(), top_p

@@ -294,7 +294,8 @@ def _step(statics: _StepStatics, params, caches, kernel_tables, inputs: StepInpu
   ``sample_indices [R, S]``: flat indices of a row's tokens whose logits are sampled (its last
   token and its drafts; -1: none). ``next_ids [T]``: the token after each step token when the host
   knows it (-1: the token sampled here). Returns ``(tokens [R, S], num_accepted [R], top-k
-  log-probabilities and ids [R, S, K], drafts [R, k])``, with ``prompt_logprobs`` every token's
+  log-probabilities and ids [R, S, K], drafts [R, k], the tokens' log-probabilities and ranks
+  [R, S])``, with ``prompt_logprobs`` every token's
   next-token log-probs (``_next_token_logprobs``; else None), the caches and the kernel tables.
   """
   runner, layout = statics.runner, statics.layout
@@ -305,8 +306,8 @@ def _step(statics: _StepStatics, params, caches, kernel_tables, inputs: StepInpu
   hidden, caches = runner.forward(params, caches, inputs, layout)
   plp = _next_token_logprobs(runner, params, hidden, next_ids) if prompt_logprobs else None
   logits = runner.compute_logits(params, hidden[jnp.maximum(sample_indices, 0)])  # [R, S, V]
-  tokens, num_accepted, top_lp, top_ids = sample(logits, temperature, top_p, top_k, seeds, steps, draft_ids,
-                                                num_drafts)
+  tokens, num_accepted, top_lp, top_ids, token_lp, token_rank = sample(logits, temperature, top_p, top_k, seeds,
+                                                                      steps, draft_ids, num_drafts)
   k = statics.num_speculative_tokens
   if k:
     # The token after each step token is known on the host, or was just sampled (accepted drafts
@@ -317,7 +318,7 @@ def _step(statics: _StepStatics, params, caches, kernel_tables, inputs: StepInpu
     next_ids = jnp.where(next_ids >= 0, next_ids, sampled)
     last = jnp.take_along_axis(sample_indices, num_accepted[:, None], axis=1)[:, 0]  # [R]
     draft_ids, caches = runner.propose_drafts(params, caches, hidden, next_ids, inputs, last, layout, num_drafts=k)
-  return (tokens, num_accepted, top_lp, top_ids, draft_ids), plp, caches, kernel_tables
+  return (tokens, num_accepted, top_lp, top_ids, draft_ids, token_lp, token_rank), plp, caches, kernel_tables
 
 
 # Tokens whose LM head runs at once in ``_next_token_logprobs``: bounds its [rows, vocabulary]
@@ -403,8 +404,9 @@ class LLMEngine:
     self._packings: dict[int, _PackedInputs] = {}  # by token bucket
     s, top = 1 + k, min(MAX_LOGPROBS, runner.vocab_size)
     r = config.max_num_reqs
+    # The tokens first: the next step reads a token in flight at its place here (prev_token_index).
     self._out_shapes = [((r, s), np.int32), ((r,), np.int32), ((r, s, top), np.float32), ((r, s, top), np.int32),
-                        ((r, k), np.int32)]
+                        ((r, k), np.int32), ((r, s), np.float32), ((r, s), np.int32)]
     self._async = config.async_scheduling and k == 0
     # The step in flight (async scheduling): its chunks and its packed outputs, not yet read back.
     self._in_flight: tuple[list, jax.Array] | None = None
@@ -659,7 +661,8 @@ class LLMEngine:
     """The drafts to verify next step (the MTP layer's); a seam for tests that force drafts."""
     return drafts
 
-  def _update(self, chunks, tokens, num_accepted, top_lp, top_ids, drafts, plp) -> list[StepOutput]:
+  def _update(self, chunks, tokens, num_accepted, top_lp, top_ids, drafts, token_lp, token_rank,
+              plp) -> list[StepOutput]:
     k = self.config.num_speculative_tokens
     outputs = []
     for c in chunks:
@@ -683,7 +686,7 @@ class LLMEngine:
       self.num_accepted_tokens += a
       row = c.row
       first = not req.output_token_ids
-      new_ids, new_lps, reason = [], [], None
+      new_ids, new_lps, own, reason = [], [], [], None
       for j in range(a + 1):
         token = int(tokens[row, j])
         lps = [(int(i), float(v)) for i, v in zip(top_ids[row, j, : req.sampling.logprobs],
@@ -692,6 +695,8 @@ class LLMEngine:
         req.output_logprobs.append(lps)
         new_ids.append(token)
         new_lps.append(lps)
+        own.append((float(token_lp[row, j]), int(token_rank[row, j])))
+        req.output_token_logprobs.append(own[-1])
         if token in req.sampling.stop_token_ids:
           reason = "stop"
         elif len(req.output_token_ids) >= req.sampling.max_tokens:
@@ -707,7 +712,8 @@ class LLMEngine:
         req.spec_token_ids = self._next_drafts(req, [int(x) for x in drafts[row, :min(k, room)]])
       prompt_lps = list(req.prompt_logprobs) if first and req.sampling.prompt_logprobs is not None else None
       outputs.append(StepOutput(req.request_id, new_ids, new_lps if req.sampling.logprobs else [],
-                                reason is not None, reason, req.num_cached_tokens, prompt_lps))
+                                reason is not None, reason, req.num_cached_tokens, prompt_lps,
+                                own if req.sampling.logprobs else []))
     return outputs
 
   @staticmethod

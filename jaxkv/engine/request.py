@@ -122,6 +122,7 @@ class Request:
   seed: int = 0  # the sampling seed (``sampling.seed``, or fresh entropy when that is None)
   output_token_ids: list[int] = dataclasses.field(default_factory=list)
   output_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+  output_token_logprobs: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # own (log-prob, rank)
   # With ``sampling.prompt_logprobs``: per prompt position from 1, the prompt token's log-prob,
   # its rank (1: most probable) and the top candidates as (id, log-prob).
   prompt_logprobs: list[PromptLogprob] = dataclasses.field(default_factory=list)
@@ -183,3 +184,5 @@ class StepOutput:
   # With ``sampling.prompt_logprobs``, on the output with the first new token: every prompt
   # position's entry (``Request.prompt_logprobs``, position 0 has none).
   prompt_logprobs: list[PromptLogprob] | None = None
+  # With ``sampling.logprobs``: each new token's own (log-prob, rank), in or out of its top-k.
+  new_token_logprobs: list[tuple[float, int]] = dataclasses.field(default_factory=list)

@@ -61,8 +61,9 @@ def sample(
 
   Returns:
     ``tokens [R, S]`` (entries ``0 .. num_accepted`` are the row's new tokens), ``num_accepted
-    [R]``, and the top ``MAX_LOGPROBS`` log-probabilities ``[R, S, K]`` of the raw distribution (K = min(MAX_LOGPROBS, V)) with
-    their ids.
+    [R]``, the top ``MAX_LOGPROBS`` log-probabilities ``[R, S, K]`` of the raw distribution (K =
+    min(MAX_LOGPROBS, V)) with their ids, and each token's own log-probability ``[R, S]`` and rank
+    ``[R, S]`` (1: most probable; vLLM returns the sampled token's beside the top-k).
   """
   r, s, v = logits.shape
   logits = logits.astype(jnp.float32)
@@ -87,7 +88,9 @@ def sample(
   tokens = jnp.where(hot[:, None], drawn, greedy).astype(jnp.int32)
   # Drafts are accepted while they equal the tokens; the token after them is the next one.
   num_accepted = jnp.sum(jnp.cumprod((drafts == tokens) & is_draft, axis=1), axis=1).astype(jnp.int32)
-  return tokens, num_accepted, top_lp, top_ids.astype(jnp.int32)
+  token_lp = jnp.take_along_axis(logprobs, tokens[..., None], axis=-1)  # [R, S, 1]
+  token_rank = (jnp.sum(logprobs > token_lp, axis=-1) + 1).astype(jnp.int32)
+  return tokens, num_accepted, top_lp, top_ids.astype(jnp.int32), token_lp[..., 0], token_rank
 
 
 def _nucleus_floor(probs: Float[Array, "... V"], top_p: Float[Array, "... 1"], ways: int,

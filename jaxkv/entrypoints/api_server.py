@@ -319,7 +319,7 @@ def build_app(llm: LLM, *, model_name: str | None = None, max_pending: int = 256
             elif ev[0] == "delta":
               completion_tokens += len(ev[2])
               delta = {"content": ev[1]} if chat else ev[1]
-              yield _sse(_chunk(response_id, created, name, i, delta, None, chat, _logprobs(ev, chat, llm)))
+              yield _sse(_chunk(response_id, created, name, i, delta, None, chat, _logprobs(ev, chat, llm, sampling.logprobs)))
             else:
               open_ -= 1
               reason = "error" if ev[0] == "error" else ev[1]
@@ -360,7 +360,8 @@ def build_app(llm: LLM, *, model_name: str | None = None, max_pending: int = 256
             lps[i] += ev[3] or []
             continue
           reason = "error" if ev[0] == "error" else ev[1]
-          logprobs = _logprobs(("delta", texts[i], token_ids[i], lps[i]), chat, llm) if sampling.logprobs else None
+          logprobs = (_logprobs(("delta", texts[i], token_ids[i], lps[i]), chat, llm, sampling.logprobs)
+                      if sampling.logprobs else None)
           if chat:
             choices[i] = {"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": logprobs,
                           "finish_reason": reason}
@@ -417,9 +418,9 @@ def _content_text(content):
   return content
 
 
-def _logprobs(ev, chat: bool, llm: LLM):
+def _logprobs(ev, chat: bool, llm: LLM, k: int):
   """OpenAI's log-probability objects for a delta's tokens: chat's ``content`` list or the legacy
-  completions object."""
+  completions object (each token's own log-prob, and its top ``k`` candidates)."""
   _, _, ids, lps = ev
   if lps is None:
     return None
@@ -428,7 +429,7 @@ def _logprobs(ev, chat: bool, llm: LLM):
   entries = []
   for t, cands in zip(ids, lps):
     lp = cands[t].logprob if t in cands else None
-    entries.append((text(t), lp, [(c.decoded_token or text(cid), c.logprob) for cid, c in cands.items()]))
+    entries.append((text(t), lp, [(c.decoded_token or text(cid), c.logprob) for cid, c in cands.items() if c.rank <= k]))
   if chat:
     return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()),
                          "top_logprobs": [{"token": c, "logprob": v, "bytes": list(c.encode())} for c, v in top]}

@@ -65,8 +65,12 @@ class SequenceState:
       new_ids.append(token)
       out.token_ids.append(token)
       if out.logprobs is not None and i < len(step.new_logprobs):
-        out.logprobs.append({t: Logprob(lp, rank + 1, self._token_text(t))
-                             for rank, (t, lp) in enumerate(step.new_logprobs[i])})
+        # vLLM's order: the sampled token (with its rank, in the top-k or not), then the top-k.
+        lp, rank = step.new_token_logprobs[i]
+        entry = {token: Logprob(lp, rank, self._token_text(token))}
+        for r, (t, v) in enumerate(step.new_logprobs[i], 1):
+          entry.setdefault(t, Logprob(v, r, self._token_text(t)))
+        out.logprobs.append(entry)
       if self._detok is not None:
         start = max(len(self._text) - self._hold, 0)
         self._text += self._detok.step(token)
