@@ -76,9 +76,7 @@ def test_no_prefix_cache_hit_for_a_request_that_wants_them():
 
 def test_warmup_compiles_the_prompt_logprob_steps():
   engine = LLMEngine(runner(), cfg())
-  before = engine.num_compilations
-  assert engine.warmup(prompt_logprobs=True) >= before
-  warm = engine.num_compilations
+  warm = engine.warmup(prompt_logprobs=True)
   engine.generate([list(prompts()[0])], SamplingParams(max_tokens=2, prompt_logprobs=1))
   assert engine.num_compilations == warm
 

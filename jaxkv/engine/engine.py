@@ -28,7 +28,7 @@ from jaxkv.block_table import MultiGroupBlockTable
 from jaxkv.engine.model_runner import ModelRunner, plan_for
 from jaxkv.engine.parallel import cache_shardings, make_mesh, replicated
 from jaxkv.engine.request import MAX_LOGPROBS, PromptLogprob, Request, RequestStatus, SamplingParams, StepOutput, is_int
-from jaxkv.engine.sampler import sample
+from jaxkv.engine.sampler import logprob_stats, sample
 from jaxkv.engine.scheduler import Scheduler
 from jaxkv.kv_cache_config import CacheConfig
 from jaxkv.kv_cache_manager import KVCacheManager
@@ -329,14 +329,11 @@ _LOGPROB_ROWS = 128
 def _next_token_logprobs(runner, params, hidden, next_ids):
   """For each step token ``t``: the log-prob of the token after it (``next_ids [T]``, where the
   host knows it) and its rank among the vocabulary (1: most probable; ties count for the token),
-  and the top ``MAX_LOGPROBS`` log-probs ``[T, K]`` with their ids, computed as the sampler does
-  (float32 log-softmax of the LM head's logits)."""
+  and the top ``MAX_LOGPROBS`` log-probs ``[T, K]`` with their ids (the sampler's ``logprob_stats``)."""
 
   def one(h, target):
-    logprobs = jax.nn.log_softmax(runner.compute_logits(params, h[None]).astype(jnp.float32)[0])
-    top_lp, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logprobs.shape[-1]))
-    target_lp = logprobs[jnp.maximum(target, 0)]
-    return target_lp, (jnp.sum(logprobs > target_lp) + 1).astype(jnp.int32), top_lp, top_ids
+    top_lp, top_ids, target_lp, rank = logprob_stats(runner.compute_logits(params, h[None])[0], jnp.maximum(target, 0))
+    return target_lp, rank, top_lp, top_ids
 
   return jax.lax.map(lambda x: one(*x), (hidden, next_ids), batch_size=min(_LOGPROB_ROWS, hidden.shape[0]))
 

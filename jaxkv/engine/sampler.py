@@ -67,8 +67,6 @@ def sample(
   """
   r, s, v = logits.shape
   logits = logits.astype(jnp.float32)
-  logprobs = jax.nn.log_softmax(logits, axis=-1)
-  top_lp, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, v))
   greedy = jnp.argmax(logits, axis=-1)  # [R, S]
   hot = temperature > 0
   idx = jnp.arange(s)
@@ -88,9 +86,19 @@ def sample(
   tokens = jnp.where(hot[:, None], drawn, greedy).astype(jnp.int32)
   # Drafts are accepted while they equal the tokens; the token after them is the next one.
   num_accepted = jnp.sum(jnp.cumprod((drafts == tokens) & is_draft, axis=1), axis=1).astype(jnp.int32)
-  token_lp = jnp.take_along_axis(logprobs, tokens[..., None], axis=-1)  # [R, S, 1]
-  token_rank = (jnp.sum(logprobs > token_lp, axis=-1) + 1).astype(jnp.int32)
-  return tokens, num_accepted, top_lp, top_ids.astype(jnp.int32), token_lp[..., 0], token_rank
+  return (tokens, num_accepted) + logprob_stats(logits, tokens)
+
+
+def logprob_stats(logits: Float[Array, "... V"], token_ids: Int[Array, "..."]):
+  """The float32 log-softmax of ``logits``: its top ``MAX_LOGPROBS`` log-probs and their ids
+  ``[..., K]`` (K = min(MAX_LOGPROBS, V)), and the log-prob ``[...]`` and rank ``[...]`` (1: most
+  probable; ties count for the token) of ``token_ids``. The sampler's outputs, and the prompt
+  log-probs' (``jaxkv.engine.engine._next_token_logprobs``)."""
+  logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  top_lp, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logprobs.shape[-1]))
+  token_lp = jnp.take_along_axis(logprobs, token_ids[..., None], axis=-1)
+  rank = (jnp.sum(logprobs > token_lp, axis=-1) + 1).astype(jnp.int32)
+  return top_lp, top_ids.astype(jnp.int32), token_lp[..., 0], rank
 
 
 def _nucleus_floor(probs: Float[Array, "... V"], top_p: Float[Array, "... 1"], ways: int,

@@ -26,15 +26,18 @@ def engine_params(sampling: SamplingParams, index: int, eos_token_ids: tuple[int
 def prompt_logprob_dicts(entries: list[PromptLogprob], tokenizer: Tokenizer | None) -> list[dict[int, Logprob] | None]:
   """vLLM's ``RequestOutput.prompt_logprobs``: None for the first prompt token, then per token
   ``{token_id: Logprob}`` with the prompt token first and the top candidates."""
+  return [None] + [_logprob_dict(e.token_id, e.logprob, e.rank, e.top, tokenizer) for e in entries]
+
+
+def _logprob_dict(token_id: int, logprob: float, rank: int, top: list[tuple[int, float]],
+                  tokenizer: Tokenizer | None) -> dict[int, Logprob]:
+  """vLLM's order: the token itself (with its rank, in the top candidates or not), then the top."""
   def text(t):
     return None if tokenizer is None else tokenizer.decode([t], skip_special_tokens=False)
 
-  out: list[dict[int, Logprob] | None] = [None]
-  for e in entries:
-    d = {e.token_id: Logprob(e.logprob, e.rank, text(e.token_id))}
-    for rank, (t, lp) in enumerate(e.top, 1):
-      d.setdefault(t, Logprob(lp, rank, text(t)))
-    out.append(d)
+  out = {token_id: Logprob(logprob, rank, text(token_id))}
+  for r, (t, lp) in enumerate(top, 1):
+    out.setdefault(t, Logprob(lp, r, text(t)))
   return out
 
 
@@ -65,12 +68,8 @@ class SequenceState:
       new_ids.append(token)
       out.token_ids.append(token)
       if out.logprobs is not None and i < len(step.new_logprobs):
-        # vLLM's order: the sampled token (with its rank, in the top-k or not), then the top-k.
         lp, rank = step.new_token_logprobs[i]
-        entry = {token: Logprob(lp, rank, self._token_text(token))}
-        for r, (t, v) in enumerate(step.new_logprobs[i], 1):
-          entry.setdefault(t, Logprob(v, r, self._token_text(t)))
-        out.logprobs.append(entry)
+        out.logprobs.append(_logprob_dict(token, lp, rank, step.new_logprobs[i], self.tokenizer))
       if self._detok is not None:
         start = max(len(self._text) - self._hold, 0)
         self._text += self._detok.step(token)
@@ -94,6 +93,3 @@ class SequenceState:
   def _find_stop(self, start: int) -> tuple[int, str] | None:
     hits = [(at, s) for s in self.sampling.stop if (at := self._text.find(s, start)) >= 0]
     return min(hits) if hits else None
-
-  def _token_text(self, token_id: int) -> str | None:
-    return None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
