@@ -304,6 +304,22 @@ def test_top_k_and_top_p_keep_what_a_sort_keeps(ways):
     assert kept.sum() >= 1
 
 
+@pytest.mark.parametrize("shape, k", [((3, 2, 2000), 20), ((5, 1500), 16), ((4, 40), 20), ((2, 3000), 45)])
+def test_top_k_by_kernel_is_lax_top_k(shape, k):
+  """Passes of at most 16 (XLA's GPU top-k kernel, not a sort of the row) give lax.top_k's values and
+  ids: on ties (equal values in increasing index) and with -inf entries, inside the top k too."""
+  rng = np.random.default_rng(k)
+  tied = rng.integers(-30, 5, shape).astype(np.float32) / 4
+  tied[..., ::7] = -np.inf
+  sparse = np.full(shape, -np.inf, np.float32)  # fewer than k finite entries: -inf ties past them
+  sparse[..., 3:shape[-1]:shape[-1] // 5] = rng.normal(size=sparse[..., 3:shape[-1]:shape[-1] // 5].shape)
+  for x in (tied, sparse, rng.normal(size=shape).astype(np.float32)):
+    got = jax.jit(sampler.top_k_by_kernel, static_argnums=1)(x, k)
+    want = jax.lax.top_k(x, k)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+
+
 def test_top_k_one_samples_the_argmax_and_top_k_draws_only_from_the_top():
   rng = np.random.default_rng(5)
   n, v = 64, 300

@@ -9,7 +9,7 @@ from jaxtyping import Array, Float, Int
 
 from jaxkv.engine.request import MAX_LOGPROBS
 
-__all__ = ["sample"]
+__all__ = ["sample", "top_k_by_kernel"]
 
 
 def nucleus_ways(rows: int) -> int:
@@ -95,10 +95,37 @@ def logprob_stats(logits: Float[Array, "... V"], token_ids: Int[Array, "..."]):
   probable; ties count for the token) of ``token_ids``. The sampler's outputs, and the prompt
   log-probs' (``jaxkv.engine.engine._next_token_logprobs``)."""
   logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  top_lp, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logprobs.shape[-1]))
+  top_lp, top_ids = top_k_by_kernel(logprobs, min(MAX_LOGPROBS, logprobs.shape[-1]))
   token_lp = jnp.take_along_axis(logprobs, token_ids[..., None], axis=-1)
   rank = (jnp.sum(logprobs > token_lp, axis=-1) + 1).astype(jnp.int32)
   return top_lp, top_ids.astype(jnp.int32), token_lp[..., 0], rank
+
+
+# XLA's GPU top-k kernel takes k <= 16 (rows of 1,024 to 1M float32 or bf16); a larger k lowers to a
+# segmented radix sort of every row, which on GLM-5.3-Flash's vocabulary was 1.1 ms of a 4.9-ms
+# decode step at batch 32 on the H200 (docs/performance.md).
+_KERNEL_MAX_K = 16
+
+
+def top_k_by_kernel(x: Float[Array, "... N"], k: int) -> tuple[Float[Array, "... k"], Int[Array, "... k"]]:
+  """``jax.lax.top_k(x, k)`` in passes of at most 16, so that XLA's GPU top-k kernel takes each one
+  rather than a sort of the row: a pass takes the next ``<= 16`` after masking those already taken.
+
+  The same values and ids as ``jax.lax.top_k`` (decreasing, equal values in increasing index) for
+  every input but one: a ``-inf`` entry and one equal to float32's lowest finite value, both past
+  the first 16, may come in either order (a mask must lie below every entry it has not taken).
+  """
+  lead, n = x.shape[:-1], x.shape[-1]
+  rows = x.reshape(-1, n)  # the kernel takes [batch, n] only
+  taken = [jax.lax.top_k(rows, min(_KERNEL_MAX_K, k))[1]]
+  rest = jnp.maximum(rows, jnp.finfo(rows.dtype).min)  # untaken -inf entries stay above the mask
+  row = jnp.arange(rows.shape[0])[:, None]
+  for start in range(_KERNEL_MAX_K, k, _KERNEL_MAX_K):
+    rest = rest.at[row, taken[-1]].set(-jnp.inf)
+    taken.append(jax.lax.top_k(rest, min(_KERNEL_MAX_K, k - start))[1])
+  ids = jnp.concatenate(taken, axis=-1)
+  vals = jnp.take_along_axis(rows, ids, axis=-1)
+  return vals.reshape(*lead, k), ids.reshape(*lead, k)
 
 
 def _nucleus_floor(probs: Float[Array, "... V"], top_p: Float[Array, "... 1"], ways: int,
