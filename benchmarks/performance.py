@@ -5,10 +5,20 @@ bf16, 4-layer slice of the released dimensions, random weights) in a subprocess 
 the GPU to itself and frees it on exit; then measures the device's copy bandwidth and serves the
 same model with jaxkv (``glm-5.3-flash-slice4``, bf16 weights, fp8 indexer keys, bf16 latents,
 packed layout, block 1024) at each batch: prefill of ``batch x context`` tokens, then timed decode
-steps in which every request decodes (``jaxkv.engine.benchmark.benchmark_decode``). The roofline
-of a decode step is the weight bytes it must read (lm_head, attention and KDA projections, dense
-MLPs, shared experts and the distinct routed experts the batch touches, expected under uniform
-routing) plus the KV bytes, over the bandwidth measured in the same run.
+steps in which every request decodes (``jaxkv.engine.benchmark.benchmark_decode``).
+
+Rooflines, from what the step does, over rates measured in the same run:
+
+* decode: the weight bytes a step reads (lm_head, attention and KDA projections, dense MLPs, shared
+  experts, and the distinct routed experts each MoE layer's router chose in the timed steps) plus
+  the KV bytes, over the copy bandwidth. The distinct experts are counted by a second pass over the
+  same requests (same weights, prompts and greedy tokens, so the same routing) with the router's
+  output sent to the host (``jax.debug.callback``), which the timed pass does not have. Random
+  weights route unevenly: fewer distinct experts than uniform routing's expectation
+  ``E (1 - (1 - k/E)^batch)``, which is also reported.
+* prefill: the step's multiply-add FLOPs (2 x active parameters per token, sparse MLA over each
+  token's selected rows, the indexer's pooled keys, the KDA recurrence) over the rate of a large
+  bf16 GEMM.
 
 Writes one JSON line per measurement to ``--out`` and prints the table of docs/performance.md.
 
@@ -59,36 +69,123 @@ def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
   return 2 * nbytes / float(np.median(times))
 
 
-def decode_bytes(runner, batch: int, context: int, plan, kv_cache_dtype: str = "bfloat16") -> dict:
-  """Bytes one decode step must read: weights (routed experts by expected distinct count) + KV."""
+def gemm_rate(n: int = 8192, iters: int = 20) -> float:
+  """FLOP/s of an ``n x n x n`` bf16 matmul with float32 accumulation (median of ``iters``)."""
   import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  a, b = (jax.random.normal(jax.random.key(i), (n, n), jnp.bfloat16) for i in range(2))
+  f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+  f(a, b).block_until_ready()
+  times = []
+  for _ in range(iters):
+    t = time.perf_counter()
+    f(a, b).block_until_ready()
+    times.append(time.perf_counter() - t)
+  return 2 * n ** 3 / float(np.median(times))
+
+
+def _param_sizes(runner) -> dict[str, int]:
+  """Bytes and elements of the weights a step reads: ``dense`` (all but the embedding, whose rows
+  are gathered, and the routed experts), ``routed`` (all experts of all MoE layers), ``lm_head``."""
   from flax import nnx
 
+  out = {"dense_bytes": 0, "routed_bytes": 0, "dense_params": 0, "routed_params": 0, "lm_head_params": 0}
+  for path, leaf in nnx.to_flat_state(runner.params):
+    value = leaf.get_value()
+    name = ".".join(str(p) for p in path)
+    if name.startswith("embed_tokens"):
+      continue
+    kind = "routed" if ".experts_" in name else "dense"
+    out[f"{kind}_bytes"] += value.nbytes
+    out[f"{kind}_params"] += value.size
+    if name.startswith("lm_head"):
+      out["lm_head_params"] += value.size
+  return out
+
+
+def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
+  """Distinct experts ``tokens`` tokens reach when each picks ``top_k`` of ``num_experts`` uniformly."""
+  return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+
+
+def decode_bytes(runner, batch: int, context: int, distinct_experts: float, kv_cache_dtype: str = "bfloat16") -> dict:
+  """Bytes one decode step must read: weights (each MoE layer's ``distinct_experts`` routed experts)
+  and KV (each DSA layer's selected latents and pooled keys; the KDA states read and written)."""
   from pallas_kernels.cache_write import entry_bytes
 
   cfg = runner.config
-  dense = routed = 0
-  for path, leaf in nnx.to_flat_state(runner.params):
-    n = leaf.get_value().nbytes
-    name = ".".join(str(p) for p in path)
-    if name.startswith("embed_tokens"):
-      continue  # gathered rows only
-    if ".experts_" in name:
-      routed += n
-    else:
-      dense += n
-  e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-  distinct = e * (1 - (1 - k / e) ** batch)
-  experts = routed * distinct / e
-  # KV read per step: each DSA layer's selected latents and its pooled keys; KDA states read + written.
+  sizes = _param_sizes(runner)
+  experts = sizes["routed_bytes"] * distinct_experts / cfg.n_routed_experts
   dsa = len(cfg.dsa_layers)
   selected = min(context, cfg.index_topk + cfg.index_kpool - 1)
   kv = batch * dsa * (selected * entry_bytes(cfg.kv_lora_rank, kv_cache_dtype) + (context // cfg.index_kpool) * (cfg.index_head_dim + 4))
   kda_state = cfg.linear_num_heads * cfg.linear_head_dim ** 2 * 4
   kv += batch * len(cfg.kda_layers) * 2 * kda_state
-  del jax, plan
-  return {"dense_weight_bytes": dense, "routed_expert_bytes": experts, "distinct_experts": distinct,
-          "kv_bytes": kv, "total_bytes": dense + experts + kv}
+  return {"dense_weight_bytes": sizes["dense_bytes"], "routed_expert_bytes": experts, "distinct_experts": distinct_experts,
+          "kv_bytes": kv, "total_bytes": sizes["dense_bytes"] + experts + kv}
+
+
+def prefill_flops(runner, batch: int, context: int) -> float:
+  """Multiply-add FLOPs of prefilling ``batch`` prompts of ``context`` tokens (2 per multiply-add):
+  the projections and MLPs at their active parameters (``k`` of the routed experts; the LM head
+  once a request), sparse MLA over the rows each token selects (latent scores and values, absorbed
+  form, no RoPE dims), the indexer over the pooled keys each token sees, and the KDA recurrence's state update."""
+  cfg = runner.config
+  sizes = _param_sizes(runner)
+  active = (sizes["dense_params"] - sizes["lm_head_params"]
+            + sizes["routed_params"] * cfg.num_experts_per_tok / cfg.n_routed_experts)
+  flops = 2.0 * active * batch * context + 2.0 * sizes["lm_head_params"] * batch
+  pos = range(1, context + 1)
+  selected = sum(min(p, cfg.index_topk + cfg.index_kpool - 1) for p in pos)
+  pooled = sum(p // cfg.index_kpool for p in pos)
+  per_layer = (2.0 * cfg.num_attention_heads * selected * 2 * cfg.kv_lora_rank
+               + 2.0 * cfg.index_n_heads * cfg.index_head_dim * pooled)
+  flops += batch * len(cfg.dsa_layers) * per_layer
+  # decay, k^T S, the rank-one update and q^T S: four passes over the [K, V] state a token.
+  flops += batch * context * len(cfg.kda_layers) * 4 * 2.0 * cfg.linear_num_heads * cfg.linear_head_dim ** 2
+  return flops
+
+
+def routed_experts_per_step(engine, prompts, new_tokens: int, steps: int) -> dict:
+  """Distinct routed experts per MoE layer in the first ``steps`` steps in which every request
+  decodes, counted from the router's output: ``engine`` must be fresh (nothing compiled with its
+  statics), so its step is traced with ``MoE.route`` reporting to the host."""
+  from unittest import mock
+
+  import jax
+  import numpy as np
+
+  from jaxkv.engine.request import SamplingParams
+  from models.glm5_next.model import MoE
+
+  batch, counts = len(prompts), []
+  route = MoE.route
+
+  def record(idx):
+    if idx.shape[0] == batch:  # decode steps run exactly `batch` tokens; prefill steps the budget
+      counts.append(len(np.unique(idx)))
+
+  def reporting_route(self, x):
+    idx, w = route(self, x)
+    jax.debug.callback(record, idx.reshape(-1, idx.shape[-1]))
+    return idx, w
+
+  with mock.patch.object(MoE, "route", reporting_route):
+    reqs = [engine.add_request(f"route-{i}", p, SamplingParams(max_tokens=new_tokens)) for i, p in enumerate(prompts)]
+    while not all(r.output_token_ids for r in reqs):
+      engine.step()
+    jax.effects_barrier()
+    counts.clear()
+    for _ in range(steps):
+      engine.step()
+    jax.effects_barrier()
+  layers = sum(t == "sparse" for t in engine.runner.config.mlp_layer_types)
+  if len(counts) < steps * layers:
+    raise RuntimeError(f"the router reported {len(counts)} decode calls, expected {steps} steps x {layers} MoE layers.")
+  return {"distinct_experts": float(np.mean(counts)), "distinct_experts_min": int(np.min(counts)),
+          "distinct_experts_max": int(np.max(counts)), "routing_calls": len(counts)}
 
 
 def main() -> int:
@@ -131,9 +228,9 @@ def main() -> int:
   from jaxkv.kv_cache_config import CacheConfig
   import numpy as np
 
-  bandwidth = copy_bandwidth()
-  emit({"system": "device", "copy_bandwidth_TBps": bandwidth / 1e12, "device": str(jax.devices()[0].device_kind),
-        "jax": jax.__version__})
+  bandwidth, gemm = copy_bandwidth(), gemm_rate()
+  emit({"system": "device", "copy_bandwidth_TBps": bandwidth / 1e12, "bf16_gemm_TFLOPs": gemm / 1e12,
+        "device": str(jax.devices()[0].device_kind), "jax": jax.__version__})
   family = get_model_family("glm5_next")
   config = family.builtin_config(args.config)
   t0 = time.perf_counter()
@@ -141,6 +238,7 @@ def main() -> int:
   jax.block_until_ready(runner.params)
   build_s = time.perf_counter() - t0
   rng = np.random.default_rng(0)
+  runs = []
   for batch in batches:
     prompts = [list(rng.integers(1, config.vocab_size, args.context)) for _ in range(batch)]
     new_tokens = decode_new_tokens(batch, args.context, args.budget, args.steps, 8 if args.profile else 0)
@@ -148,28 +246,42 @@ def main() -> int:
                         state_dtype="bfloat16", memory_bytes=int(args.memory_gib * 2**30), max_model_len=args.context + new_tokens + 64)
     for meta in args.metadata_implementations.split(","):
       # Decode steps run exactly `batch` tokens (no padding routed through the MoE); prefill the budget.
-      engine = LLMEngine(runner, EngineConfig(cache=cache, max_num_reqs=batch, max_num_batched_tokens=args.budget,
-                                              buckets=tuple(sorted({batch, args.budget})),
-                                              step_metadata_implementation=meta))
+      engine_config = EngineConfig(cache=cache, max_num_reqs=batch, max_num_batched_tokens=args.budget,
+                                   buckets=tuple(sorted({batch, args.budget})), step_metadata_implementation=meta)
+      engine = LLMEngine(runner, engine_config)
       result = benchmark_decode(engine, prompts, steps=args.steps, new_tokens=new_tokens,
                                 profile_dir=f"{args.profile}/b{batch}-{meta}" if args.profile else None)
-      need = decode_bytes(runner, batch, args.context, engine.plan, args.kv_cache_dtype)
-      roof_ms = need["total_bytes"] / bandwidth * 1e3
-      emit({"system": "jaxkv", "config": args.config, "build_s": build_s, "budget": args.budget,
-            "context": args.context, "kv_cache_dtype": args.kv_cache_dtype,
-            "implementation": runner.implementation, "step_metadata_implementation": meta, **result, **need,
-            "roofline_ms": roof_ms, "roofline_fraction": roof_ms / result["step_ms_p50"]})
       del engine
+      uniform = expected_distinct_experts(config.n_routed_experts, config.num_experts_per_tok, batch)
+      flops = prefill_flops(runner, batch, args.context)
+      row = {"system": "jaxkv", "config": args.config, "build_s": build_s, "budget": args.budget,
+             "context": args.context, "kv_cache_dtype": args.kv_cache_dtype, "implementation": runner.implementation,
+             "step_metadata_implementation": meta, **result,
+             "uniform_routing_roofline_ms": decode_bytes(runner, batch, args.context, uniform, args.kv_cache_dtype)["total_bytes"] / bandwidth * 1e3,
+             "prefill_flops": flops, "prefill_roofline_s": flops / gemm,
+             "prefill_roofline_fraction": flops / gemm / result["prefill_s"]}
+      emit(row)
+      runs.append((row, prompts, new_tokens, engine_config))
+  # The routing pass after every timed one: tracing it with host callbacks needs jit's caches cleared.
+  for row, prompts, new_tokens, engine_config in runs:
+    jax.clear_caches()
+    routing = routed_experts_per_step(LLMEngine(runner, engine_config), prompts, new_tokens, args.steps)
+    need = decode_bytes(runner, row["batch"], args.context, routing["distinct_experts"], args.kv_cache_dtype)
+    roof_ms = need["total_bytes"] / bandwidth * 1e3
+    row.update({**routing, **need, "roofline_ms": roof_ms, "roofline_fraction": roof_ms / row["step_ms_p50"]})
+    emit({**row, "system": "jaxkv_roofline"})
 
   print(f"\n| batch | jaxkv ms/step | HF ms/step | speed-up | jaxkv tok/s | HF tok/s | roofline ms | of roofline |"
-        f" jaxkv prefill s | HF prefill s |")
-  print("|---|---|---|---|---|---|---|---|---|---|")
-  for r in (r for r in rows if r["system"] == "jaxkv"):
+        f" distinct experts (uniform) | jaxkv prefill s | HF prefill s | prefill of roofline |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+  for r, *_ in runs:
     h = peer.get(r["batch"], {})
     speed = f"{h['step_ms'] / r['step_ms_p50']:.1f}x" if h else "-"
+    uniform = expected_distinct_experts(config.n_routed_experts, config.num_experts_per_tok, r["batch"])
     print(f"| {r['batch']} | {r['step_ms_p50']:.2f} | {h.get('step_ms', '-')} | {speed} | "
           f"{r['decode_tokens_per_s']:.1f} | {h.get('decode_tok_s', '-')} | {r['roofline_ms']:.2f} | "
-          f"{r['roofline_fraction']:.0%} | {r['prefill_s']:.2f} | {h.get('prefill_s', '-')} |")
+          f"{r['roofline_fraction']:.0%} | {r['distinct_experts']:.1f} ({uniform:.1f}) | {r['prefill_s']:.2f} | "
+          f"{h.get('prefill_s', '-')} | {r['prefill_roofline_fraction']:.0%} |")
   return 0
 
 
