@@ -7,6 +7,11 @@ GPU. This times that search alone (GLM-5.3-Flash's vocabulary, one position per 
 31): median of ``--iters`` calls, after warm-up. ``sampler.nucleus_ways`` picks the width by the
 rows of a step.
 
+With ``--top-logprobs``, it also times the top ``MAX_LOGPROBS`` log-probs of each row: one
+``jax.lax.top_k`` (k = 20: a segmented sort of the rows on a GPU) against
+``sampler.top_k_by_kernel`` (passes of XLA's top-k kernel, k <= 16), and checks that both give the
+same values and ids on random rows and on rows with ties.
+
     python benchmarks/sampler.py --out docs/results/sampler-h200.json
 """
 
@@ -42,6 +47,40 @@ def time_nucleus_search(batch: int, vocab: int, ways: int, iters: int) -> float:
   return float(np.median(times)) * 1e6
 
 
+def _median_us(f, *args, iters: int) -> float:
+  import jax
+  import numpy as np
+
+  jax.block_until_ready(f(*args))
+  times = []
+  for _ in range(iters):
+    t = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    times.append(time.perf_counter() - t)
+  return float(np.median(times)) * 1e6
+
+
+def time_top_logprobs(batch: int, vocab: int, iters: int) -> dict:
+  """Median microseconds of the top ``MAX_LOGPROBS`` of ``[batch, vocab]`` log-probs by a sort
+  (``jax.lax.top_k``) and by ``top_k_by_kernel``, and whether they agree (random and tied rows)."""
+  import functools
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from jaxkv.engine.request import MAX_LOGPROBS
+  from jaxkv.engine.sampler import top_k_by_kernel
+
+  x = jax.nn.log_softmax(jax.random.normal(jax.random.key(batch), (batch, vocab), jnp.float32) * 3.0)
+  tied = jnp.round(x)
+  by_sort = jax.jit(functools.partial(jax.lax.top_k, k=MAX_LOGPROBS))
+  by_kernel = jax.jit(functools.partial(top_k_by_kernel, k=MAX_LOGPROBS))
+  same = all(np.array_equal(a, b) for rows in (x, tied) for a, b in zip(by_sort(rows), by_kernel(rows)))
+  return {"batch": batch, "k": MAX_LOGPROBS, "sort_us": _median_us(by_sort, x, iters=iters),
+          "kernel_us": _median_us(by_kernel, x, iters=iters), "same_values_and_ids": same}
+
+
 def main() -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--batches", default="1,8,32,128")
@@ -49,9 +88,15 @@ def main() -> int:
   p.add_argument("--vocab", type=int, default=154880, help="GLM-5.3-Flash's vocabulary")
   p.add_argument("--iters", type=int, default=100)
   p.add_argument("--out", default=None, help="JSON file")
+  p.add_argument("--top-logprobs", action="store_true", help="also time the top-20 log-probs, sort against kernel")
   args = p.parse_args()
   import jax
 
+  top = []
+  if args.top_logprobs:
+    for b in map(int, args.batches.split(",")):
+      top.append(time_top_logprobs(b, args.vocab, args.iters))
+      print(json.dumps(top[-1]), flush=True)
   rows = []
   for b in map(int, args.batches.split(",")):
     for w in map(int, args.ways.split(",")):
@@ -64,9 +109,13 @@ def main() -> int:
   for b in sorted({r["batch"] for r in rows}):
     us = {r["ways"]: r["us"] for r in rows if r["batch"] == b}
     print(f"| {b} | " + " | ".join(f"{us[w]:.1f}" for w in ways) + " |")
+  if top:
+    print("\n| batch | top-20 by sort us | by top-k kernel us | same values and ids |\n|---|---|---|---|")
+    for r in top:
+      print(f"| {r['batch']} | {r['sort_us']:.1f} | {r['kernel_us']:.1f} | {r['same_values_and_ids']} |")
   if args.out:
     pathlib.Path(args.out).write_text(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                                                  "vocab": args.vocab, "rows": rows}, indent=1))
+                                                  "vocab": args.vocab, "rows": rows, "top_logprobs": top}, indent=1))
   return 0
 
 
