@@ -304,16 +304,20 @@ def test_top_k_and_top_p_keep_what_a_sort_keeps(ways):
     assert kept.sum() >= 1
 
 
-@pytest.mark.parametrize("shape, k", [((3, 2, 2000), 20), ((5, 1500), 16), ((4, 40), 20), ((2, 3000), 45)])
+@pytest.mark.parametrize("shape, k", [((3, 2, 2000), 20), ((5, 1500), 16), ((4, 40), 20), ((2, 3000), 45),
+                                      ((3, 5000), 20), ((2, 2048), 7), ((12, 3000), 20)])
 def test_top_k_by_kernel_is_lax_top_k(shape, k):
-  """Passes of at most 16 (XLA's GPU top-k kernel, not a sort of the row) give lax.top_k's values and
-  ids: on ties (equal values in increasing index) and with -inf entries, inside the top k too."""
+  """Passes of at most 16 (XLA's GPU top-k kernel, not a sort of the row), over 1,024-entry chunks and
+  then their candidates (up to 8 rows of 2,048 or more, padded) or over whole rows, give lax.top_k's values and ids: on ties
+  (equal values in increasing index, across chunks too) and with -inf entries, inside the top k too."""
   rng = np.random.default_rng(k)
   tied = rng.integers(-30, 5, shape).astype(np.float32) / 4
   tied[..., ::7] = -np.inf
   sparse = np.full(shape, -np.inf, np.float32)  # fewer than k finite entries: -inf ties past them
   sparse[..., 3:shape[-1]:shape[-1] // 5] = rng.normal(size=sparse[..., 3:shape[-1]:shape[-1] // 5].shape)
-  for x in (tied, sparse, rng.normal(size=shape).astype(np.float32)):
+  straddling = rng.normal(size=shape).astype(np.float32)
+  straddling[..., 700::700] = 10.0  # equal maxima in several chunks
+  for x in (tied, sparse, straddling):
     got = jax.jit(sampler.top_k_by_kernel, static_argnums=1)(x, k)
     want = jax.lax.top_k(x, k)
     np.testing.assert_array_equal(got[0], want[0])

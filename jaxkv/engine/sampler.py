@@ -101,31 +101,52 @@ def logprob_stats(logits: Float[Array, "... V"], token_ids: Int[Array, "..."]):
   return top_lp, top_ids.astype(jnp.int32), token_lp[..., 0], rank
 
 
-# XLA's GPU top-k kernel takes k <= 16 (rows of 1,024 to 1M float32 or bf16); a larger k lowers to a
-# segmented radix sort of every row, which on GLM-5.3-Flash's vocabulary was 1.1 ms of a 4.9-ms
-# decode step at batch 32 on the H200 (docs/performance.md).
+# XLA's GPU top-k kernel takes k <= 16 over rows of 1,024 to 1M float32 or bf16 entries, one thread
+# block a row; any other top-k lowers to a segmented radix sort of every row. The top 20 of
+# GLM-5.3-Flash's vocabulary on the H200 (benchmarks/sampler.py --top-logprobs, docs/performance.md),
+# at 1 / 8 / 32 / 128 rows: by the sort 249 / 528 / 1,457 / 1,687 us; by the kernel on whole rows
+# 581 / 586 / 744 / 758 (one block walks 155k entries); on 1,024-entry chunks (a block each), then
+# on their candidates, 257 / 416 / 944 / 2,658. Chunks up to 8 rows, whole rows above.
 _KERNEL_MAX_K = 16
+_CHUNK = 1024
+_CHUNKED_MAX_ROWS = 8
 
 
 def top_k_by_kernel(x: Float[Array, "... N"], k: int) -> tuple[Float[Array, "... k"], Int[Array, "... k"]]:
-  """``jax.lax.top_k(x, k)`` in passes of at most 16, so that XLA's GPU top-k kernel takes each one
-  rather than a sort of the row: a pass takes the next ``<= 16`` after masking those already taken.
+  """``jax.lax.top_k(x, k)`` by XLA's GPU top-k kernel rather than a sort of each row: in passes of
+  at most 16, a pass taking the next ones after masking those already taken; on few rows, the top
+  ``k`` of each 1,024-entry chunk first, then the top ``k`` of those candidates.
 
-  The same values and ids as ``jax.lax.top_k`` (decreasing, equal values in increasing index) for
-  every input but one: a ``-inf`` entry and one equal to float32's lowest finite value, both past
-  the first 16, may come in either order (a mask must lie below every entry it has not taken).
+  The same values and ids as ``jax.lax.top_k`` (decreasing, equal values in increasing index: the
+  candidates are in chunk order, each chunk's in its own order) for every input but one: a ``-inf``
+  entry and one equal to float32's lowest finite value may come in either order after the first
+  pass (a mask must lie below every entry it has not taken).
   """
   lead, n = x.shape[:-1], x.shape[-1]
   rows = x.reshape(-1, n)  # the kernel takes [batch, n] only
+  if rows.shape[0] > _CHUNKED_MAX_ROWS or n < 2 * _CHUNK or k > _CHUNK:
+    ids = _top_k_ids(rows, k)
+  else:
+    chunks = -(-n // _CHUNK)
+    # -inf padding has the largest ids: the first chunk alone holds k real entries above or tied with it.
+    padded = jnp.pad(rows, ((0, 0), (0, chunks * _CHUNK - n)), constant_values=-jnp.inf)
+    local = _top_k_ids(padded.reshape(-1, _CHUNK), k).reshape(rows.shape[0], chunks, k)
+    candidates = (local + (jnp.arange(chunks, dtype=local.dtype) * _CHUNK)[:, None]).reshape(rows.shape[0], -1)
+    pick = _top_k_ids(jnp.take_along_axis(padded, candidates, axis=-1), k)
+    ids = jnp.take_along_axis(candidates, pick, axis=-1)
+  vals = jnp.take_along_axis(rows, ids, axis=-1)
+  return vals.reshape(*lead, k), ids.reshape(*lead, k)
+
+
+def _top_k_ids(rows: Float[Array, "R N"], k: int) -> Int[Array, "R k"]:
+  """Ids of ``jax.lax.top_k(rows, k)`` in passes of at most 16 (see ``top_k_by_kernel``)."""
   taken = [jax.lax.top_k(rows, min(_KERNEL_MAX_K, k))[1]]
   rest = jnp.maximum(rows, jnp.finfo(rows.dtype).min)  # untaken -inf entries stay above the mask
   row = jnp.arange(rows.shape[0])[:, None]
   for start in range(_KERNEL_MAX_K, k, _KERNEL_MAX_K):
     rest = rest.at[row, taken[-1]].set(-jnp.inf)
     taken.append(jax.lax.top_k(rest, min(_KERNEL_MAX_K, k - start))[1])
-  ids = jnp.concatenate(taken, axis=-1)
-  vals = jnp.take_along_axis(rows, ids, axis=-1)
-  return vals.reshape(*lead, k), ids.reshape(*lead, k)
+  return jnp.concatenate(taken, axis=-1)
 
 
 def _nucleus_floor(probs: Float[Array, "... V"], top_p: Float[Array, "... 1"], ways: int,
