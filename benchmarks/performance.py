@@ -52,38 +52,37 @@ def run_peer(peer: str, context: int) -> dict[int, dict]:
   return rows
 
 
+def _median_s(f, *args, iters: int) -> float:
+  """Median seconds of ``iters`` calls of ``f(*args)`` after one warm-up call."""
+  import jax
+  import numpy as np
+
+  jax.block_until_ready(f(*args))
+  times = []
+  for _ in range(iters):
+    t = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    times.append(time.perf_counter() - t)
+  return float(np.median(times))
+
+
 def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
   """Bytes read + written per second by a device copy of ``nbytes`` (median of ``iters``)."""
   import jax
   import jax.numpy as jnp
-  import numpy as np
 
   x = jax.random.bits(jax.random.key(0), (nbytes // 4,), jnp.uint32)
-  f = jax.jit(lambda a: a ^ jnp.uint32(1))
-  f(x).block_until_ready()
-  times = []
-  for _ in range(iters):
-    t = time.perf_counter()
-    f(x).block_until_ready()
-    times.append(time.perf_counter() - t)
-  return 2 * nbytes / float(np.median(times))
+  return 2 * nbytes / _median_s(jax.jit(lambda a: a ^ jnp.uint32(1)), x, iters=iters)
 
 
 def gemm_rate(n: int = 8192, iters: int = 20) -> float:
   """FLOP/s of an ``n x n x n`` bf16 matmul with float32 accumulation (median of ``iters``)."""
   import jax
   import jax.numpy as jnp
-  import numpy as np
 
   a, b = (jax.random.normal(jax.random.key(i), (n, n), jnp.bfloat16) for i in range(2))
-  f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
-  f(a, b).block_until_ready()
-  times = []
-  for _ in range(iters):
-    t = time.perf_counter()
-    f(a, b).block_until_ready()
-    times.append(time.perf_counter() - t)
-  return 2 * n ** 3 / float(np.median(times))
+  return 2 * n ** 3 / _median_s(jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32)), a, b,
+                                iters=iters)
 
 
 def _param_sizes(runner) -> dict[str, int]:

@@ -18,6 +18,7 @@ same values and ids on random rows and on rows with ties.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import sys
@@ -31,20 +32,13 @@ def time_nucleus_search(batch: int, vocab: int, ways: int, iters: int) -> float:
   """Median microseconds of the jitted ``ways``-way top-p floor on ``[batch, 1, vocab]`` probabilities."""
   import jax
   import jax.numpy as jnp
-  import numpy as np
 
   from jaxkv.engine.sampler import _nucleus_floor
 
   probs = jax.nn.softmax(jax.random.normal(jax.random.key(batch), (batch, 1, vocab), jnp.float32) * 3.0 / 0.8)
   top_p = jnp.full((batch, 1, 1), 0.9, jnp.float32)
-  f = jax.jit(_nucleus_floor, static_argnames="ways")
-  jax.block_until_ready(f(probs, top_p, ways=ways))
-  times = []
-  for _ in range(iters):
-    t = time.perf_counter()
-    jax.block_until_ready(f(probs, top_p, ways=ways))
-    times.append(time.perf_counter() - t)
-  return float(np.median(times)) * 1e6
+  f = jax.jit(functools.partial(_nucleus_floor, ways=ways))
+  return _median_us(f, probs, top_p, iters=iters)
 
 
 def _median_us(f, *args, iters: int) -> float:
@@ -63,8 +57,6 @@ def _median_us(f, *args, iters: int) -> float:
 def time_top_logprobs(batch: int, vocab: int, iters: int) -> dict:
   """Median microseconds of the top ``MAX_LOGPROBS`` of ``[batch, vocab]`` log-probs by a sort
   (``jax.lax.top_k``) and by ``top_k_by_kernel``, and whether they agree (random and tied rows)."""
-  import functools
-
   import jax
   import jax.numpy as jnp
   import numpy as np
