@@ -50,41 +50,57 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 SPACE = {
-    "dtype": ("float32", "bfloat16"),
-    "kv_cache_dtype": ("float32", "bfloat16", "fp8"),
-    "indexer_cache_dtype": ("float32", "bfloat16", "fp8"),
-    "layout": ("packed", "dense"),
-    "block_size": (128, 256, 1024),
-    "kernel_block_size": (None, 128),
-    "num_spec": (0, 2),
-    "prefix_caching": (False, True),
-    "implementation": ("pallas", "xla"),
+  "dtype": ("float32", "bfloat16"),
+  "kv_cache_dtype": ("float32", "bfloat16", "fp8"),
+  "indexer_cache_dtype": ("float32", "bfloat16", "fp8"),
+  "layout": ("packed", "dense"),
+  "block_size": (128, 256, 1024),
+  "kernel_block_size": (None, 128),
+  "num_spec": (0, 2),
+  "prefix_caching": (False, True),
+  "implementation": ("pallas", "xla"),
 }
-REFERENCE = {"dtype": "float32", "kv_cache_dtype": "float32", "indexer_cache_dtype": "float32", "layout": "packed",
-             "block_size": 256, "kernel_block_size": None, "num_spec": 0, "prefix_caching": False,
-             "implementation": "xla"}
+REFERENCE = {
+  "dtype": "float32",
+  "kv_cache_dtype": "float32",
+  "indexer_cache_dtype": "float32",
+  "layout": "packed",
+  "block_size": 256,
+  "kernel_block_size": None,
+  "num_spec": 0,
+  "prefix_caching": False,
+  "implementation": "xla",
+}
 # Settings that must not change a bit of the output (for one model, dtypes, implementation and
 # number of drafts; drafts change the head's matmul shape, so across them only tokens must agree).
 LAYOUT_KEYS = ("layout", "block_size", "kernel_block_size", "prefix_caching")
 # Extra cells for the bitwise check: the serving configuration and all-float32 over LAYOUT_KEYS.
 SWEEP = [
-    {"layout": "packed", "block_size": 128, "kernel_block_size": None, "num_spec": 0, "prefix_caching": True},
-    {"layout": "packed", "block_size": 1024, "kernel_block_size": None, "num_spec": 2, "prefix_caching": False},
-    {"layout": "dense", "block_size": 256, "kernel_block_size": 128, "num_spec": 0, "prefix_caching": False},
-    {"layout": "dense", "block_size": 1024, "kernel_block_size": 128, "num_spec": 2, "prefix_caching": True},
+  {"layout": "packed", "block_size": 128, "kernel_block_size": None, "num_spec": 0, "prefix_caching": True},
+  {"layout": "packed", "block_size": 1024, "kernel_block_size": None, "num_spec": 2, "prefix_caching": False},
+  {"layout": "dense", "block_size": 256, "kernel_block_size": 128, "num_spec": 0, "prefix_caching": False},
+  {"layout": "dense", "block_size": 1024, "kernel_block_size": 128, "num_spec": 2, "prefix_caching": True},
 ]
 SWEEP_DTYPES = [("bfloat16", "bfloat16", "fp8", "pallas"), ("float32", "float32", "float32", "pallas")]
 
 MODELS = {
-    # name: (built-in config, overrides, prompt length, shared prefix, KV budget, max model len, budget, buckets)
-    # One bucket each: a GPU compile of the step takes a minute or two, so a cell compiles once.
-    "tiny": ("glm-5.3-flash-tiny", {}, 180, 140, 64 << 20, 256, 64, (64,)),
-    # The released per-layer dimensions (attention, latent, indexer, KDA, MLP widths); 16 routed
-    # experts, a 32k vocabulary and the MTP layer keep building and compiling a cell short.
-    # Its prompts share 8,448 tokens: packed plans scale the block up to 7,424 tokens, and a hit
-    # needs a whole block (two with drafts, which hold the last one back).
-    "slice": ("glm-5.3-flash-slice4", {"n_routed_experts": 16, "vocab_size": 32768, "num_nextn_predict_layers": 1},
-              8704, 8448, int(1.75 * 2**30), 8704 + 64, 512, (512,)),
+  # name: (built-in config, overrides, prompt length, shared prefix, KV budget, max model len, budget, buckets)
+  # One bucket each: a GPU compile of the step takes a minute or two, so a cell compiles once.
+  "tiny": ("glm-5.3-flash-tiny", {}, 180, 140, 64 << 20, 256, 64, (64,)),
+  # The released per-layer dimensions (attention, latent, indexer, KDA, MLP widths); 16 routed
+  # experts, a 32k vocabulary and the MTP layer keep building and compiling a cell short.
+  # Its prompts share 8,448 tokens: packed plans scale the block up to 7,424 tokens, and a hit
+  # needs a whole block (two with drafts, which hold the last one back).
+  "slice": (
+    "glm-5.3-flash-slice4",
+    {"n_routed_experts": 16, "vocab_size": 32768, "num_nextn_predict_layers": 1},
+    8704,
+    8448,
+    int(1.75 * 2**30),
+    8704 + 64,
+    512,
+    (512,),
+  ),
 }
 NEW_TOKENS = 8
 TIE = 1e-4
@@ -99,18 +115,24 @@ def valid(cell: dict) -> bool:
 def pairwise_cells(space: dict = SPACE) -> list[dict]:
   """Cells covering every valid pair of two settings' values (greedy, deterministic)."""
   keys = list(space)
-  pairs = {(a, va, b, vb) for a, b in itertools.combinations(keys, 2) for va in space[a] for vb in space[b]
-           if valid({a: va, b: vb})}
+  pairs = {
+    (a, va, b, vb)
+    for a, b in itertools.combinations(keys, 2)
+    for va in space[a]
+    for vb in space[b]
+    if valid({a: va, b: vb})
+  }
   cells = []
   while pairs:
     cell = {}
     for key in keys:
+
       def gain(v):
         trial = {**cell, key: v}
         if not valid(trial):
           return -1
-        return sum((a, trial[a], b, trial[b]) in pairs for a, b in itertools.combinations(trial, 2)
-                   if key in (a, b))
+        return sum((a, trial[a], b, trial[b]) in pairs for a, b in itertools.combinations(trial, 2) if key in (a, b))
+
       cell[key] = max(space[key], key=gain)
     covered = {(a, cell[a], b, cell[b]) for a, b in itertools.combinations(keys, 2)}
     if not covered & pairs:  # the greedy choice covered nothing new: take one uncovered pair as is
@@ -172,13 +194,26 @@ def run_cell(model: str, cell: dict) -> dict:
   try:
     with warnings.catch_warnings(record=True) as caught:
       warnings.simplefilter("always")
-      cache = CacheConfig(block_size=cell["block_size"], kernel_block_size=cell["kernel_block_size"],
-                          layout=cell["layout"], kv_cache_dtype=cell["kv_cache_dtype"],
-                          indexer_cache_dtype=cell["indexer_cache_dtype"], num_speculative_tokens=cell["num_spec"],
-                          memory_bytes=memory, max_model_len=max_len)
-      engine = LLMEngine(runner_for(model, cell["dtype"], cell["implementation"]),
-                         EngineConfig(cache=cache, max_num_reqs=2, max_num_batched_tokens=budget, buckets=buckets,
-                                      enable_prefix_caching=cell["prefix_caching"]))
+      cache = CacheConfig(
+        block_size=cell["block_size"],
+        kernel_block_size=cell["kernel_block_size"],
+        layout=cell["layout"],
+        kv_cache_dtype=cell["kv_cache_dtype"],
+        indexer_cache_dtype=cell["indexer_cache_dtype"],
+        num_speculative_tokens=cell["num_spec"],
+        memory_bytes=memory,
+        max_model_len=max_len,
+      )
+      engine = LLMEngine(
+        runner_for(model, cell["dtype"], cell["implementation"]),
+        EngineConfig(
+          cache=cache,
+          max_num_reqs=2,
+          max_num_batched_tokens=budget,
+          buckets=buckets,
+          enable_prefix_caching=cell["prefix_caching"],
+        ),
+      )
       row["manager_block_size"] = engine.plan.block_size  # packed plans may scale the block up
       warm = engine.warmup()
       row["warmup_s"] = round(time.perf_counter() - t0, 2)
@@ -231,8 +266,9 @@ def compare(rows: list[dict]) -> list[dict]:
       first = group[0]
       r["bitwise_group_size"] = len(group)
       if (r["tokens"], r["logprobs"]) != (first["tokens"], first["logprobs"]):
-        problems.append("not bitwise the group's first cell (" +
-                        ", ".join(f"{k}={first[k]}" for k in LAYOUT_KEYS) + ")")
+        problems.append(
+          "not bitwise the group's first cell (" + ", ".join(f"{k}={first[k]}" for k in LAYOUT_KEYS) + ")"
+        )
       others = [g[0] for k, g in groups.items() if k[:-1] == _group(r) and k[-1] != r["num_spec"]]
       if any(o["tokens"] != r["tokens"] for o in others):
         problems.append("tokens differ with another number of drafts")
@@ -246,17 +282,49 @@ def _group(r: dict) -> tuple:
 
 
 def markdown(rows: list[dict]) -> str:
-  cols = ["model", "dtype", "kv_cache_dtype", "indexer_cache_dtype", "layout", "block_size", "kernel_block_size",
-          "num_spec", "prefix_caching", "implementation"]
-  head = ["model", "weights", "latents", "indexer", "layout", "block", "split", "drafts", "prefix", "impl",
-          "agree", "max dlogp", "hits", "bitwise grp", "s", "result"]
+  cols = [
+    "model",
+    "dtype",
+    "kv_cache_dtype",
+    "indexer_cache_dtype",
+    "layout",
+    "block_size",
+    "kernel_block_size",
+    "num_spec",
+    "prefix_caching",
+    "implementation",
+  ]
+  head = [
+    "model",
+    "weights",
+    "latents",
+    "indexer",
+    "layout",
+    "block",
+    "split",
+    "drafts",
+    "prefix",
+    "impl",
+    "agree",
+    "max dlogp",
+    "hits",
+    "bitwise grp",
+    "s",
+    "result",
+  ]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in rows:
     vals = [str(r[c]) if r[c] is not None else "-" for c in cols]
     hits = "/".join(map(str, r.get("cached_tokens", []))) or "-"
     d = r.get("max_top1_logprob_diff")
-    vals += [r.get("token_agreement", "-"), "-" if d is None else f"{d:.1e}", hits, str(r.get("bitwise_group_size", "-")),
-             str(r["seconds"]), "pass" if r["pass"] else "**FAIL**: " + "; ".join(r["problems"])]
+    vals += [
+      r.get("token_agreement", "-"),
+      "-" if d is None else f"{d:.1e}",
+      hits,
+      str(r.get("bitwise_group_size", "-")),
+      str(r["seconds"]),
+      "pass" if r["pass"] else "**FAIL**: " + "; ".join(r["problems"]),
+    ]
     lines.append("| " + " | ".join(vals) + " |")
   ok = sum(r["pass"] for r in rows)
   return "\n".join(lines) + f"\n\n{ok} of {len(rows)} cells pass.\n"
@@ -272,23 +340,39 @@ def _key(model: str, cell: dict) -> str:
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--out", default="conformance.jsonl",
-                 help="JSON lines, one per cell, appended as they finish; cells already in it are skipped")
+  p.add_argument(
+    "--out",
+    default="conformance.jsonl",
+    help="JSON lines, one per cell, appended as they finish; cells already in it are skipped",
+  )
   p.add_argument("--models", default="tiny,slice", help="comma-separated: tiny, slice")
-  p.add_argument("--time-budget", type=float, default=540.0,
-                 help="seconds: no cell starts after this (the device call's limit is 600)")
-  p.add_argument("--shard", default="0/1", metavar="I/N",
-                 help="run every N-th cell from the I-th (N processes share one GPU; compiles dominate a cell)")
-  p.add_argument("--autotune", action="store_true",
-                 help="let XLA autotune GEMMs (its choice is timed, so it may differ between processes); "
-                      "by default --xla_gpu_deterministic_ops makes every process compute the same bits")
+  p.add_argument(
+    "--time-budget",
+    type=float,
+    default=540.0,
+    help="seconds: no cell starts after this (the device call's limit is 600)",
+  )
+  p.add_argument(
+    "--shard",
+    default="0/1",
+    metavar="I/N",
+    help="run every N-th cell from the I-th (N processes share one GPU; compiles dominate a cell)",
+  )
+  p.add_argument(
+    "--autotune",
+    action="store_true",
+    help="let XLA autotune GEMMs (its choice is timed, so it may differ between processes); "
+    "by default --xla_gpu_deterministic_ops makes every process compute the same bits",
+  )
   p.add_argument("--list", action="store_true", help="print the cells and exit")
   p.add_argument("--markdown", metavar="JSONL", nargs="+", help="print the table of finished runs and exit")
   args = p.parse_args(argv)
   if args.markdown:
     rows = {_key(r["model"], {k: r[k] for k in SPACE}): r for r in read_rows(args.markdown) if "model" in r}
     order = {_key(m, c): i for i, (m, c) in enumerate((m, c) for m in MODELS for c in all_cells())}
-    print(markdown(compare(sorted(rows.values(), key=lambda r: order.get(_key(r["model"], {k: r[k] for k in SPACE}), -1)))))
+    print(
+      markdown(compare(sorted(rows.values(), key=lambda r: order.get(_key(r["model"], {k: r[k] for k in SPACE}), -1))))
+    )
     return 0
   cells = all_cells()
   if args.list:
@@ -304,15 +388,25 @@ def main(argv=None) -> int:
   import jax
 
   out = pathlib.Path(args.out)
-  done = {_key(r["model"], {k: r[k] for k in SPACE}) for r in (read_rows([out]) if out.exists() else []) if "model" in r}
+  done = {
+    _key(r["model"], {k: r[k] for k in SPACE}) for r in (read_rows([out]) if out.exists() else []) if "model" in r
+  }
   todo = [(m, c) for m in args.models.split(",") for c in cells][shard::num_shards]
   # Grouped by weights, so that each process builds each model's weights once per dtype.
   todo = sorted(((m, c) for m, c in todo if _key(m, c) not in done), key=lambda mc: (mc[0], mc[1]["dtype"]))
   start = time.perf_counter()
   rows = []
   with open(out, "a") as f:
-    f.write(json.dumps({"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-                        "xla_flags": os.environ.get("XLA_FLAGS", "")}) + "\n")
+    f.write(
+      json.dumps(
+        {
+          "device": str(jax.devices()[0].device_kind),
+          "jax": jax.__version__,
+          "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        }
+      )
+      + "\n"
+    )
     for i, (model, cell) in enumerate(todo):
       if time.perf_counter() - start > args.time_budget:
         print(f"time budget reached: {len(todo) - i} cells of shard {args.shard} not started", file=sys.stderr)
@@ -321,11 +415,15 @@ def main(argv=None) -> int:
       gc.collect()  # the cell's engine, its caches and executables go before the next one is built
       jax.clear_caches()
       rows.append(row)
-      f.write(json.dumps({k: v for k, v in row.items() if k != "traceback"} | {"traceback": row.get("traceback")})
-              + "\n")
+      f.write(
+        json.dumps({k: v for k, v in row.items() if k != "traceback"} | {"traceback": row.get("traceback")}) + "\n"
+      )
       f.flush()
-      print(f"[{time.perf_counter() - start:6.1f}s] {model} {cell} -> "
-            f"{row.get('error') or 'ok'} ({row['seconds']} s)", file=sys.stderr, flush=True)
+      print(
+        f"[{time.perf_counter() - start:6.1f}s] {model} {cell} -> {row.get('error') or 'ok'} ({row['seconds']} s)",
+        file=sys.stderr,
+        flush=True,
+      )
   print(markdown(compare(rows)))
   return 0
 

@@ -47,17 +47,32 @@ def main() -> int:
   config = family.builtin_config(args.config)
   runner = family.from_random(config, dtype=args.dtype, seed=0, implementation=args.implementation)
   fp8 = args.dtype == "bfloat16"
-  cache = CacheConfig(block_size=1024, layout="packed", kv_cache_dtype=args.dtype,
-                      indexer_cache_dtype="fp8" if fp8 else args.dtype, state_dtype=args.dtype,
-                      memory_bytes=int(args.memory_gib * 2**30),
-                      max_model_len=args.context + 3 * args.steps + 64)
+  cache = CacheConfig(
+    block_size=1024,
+    layout="packed",
+    kv_cache_dtype=args.dtype,
+    indexer_cache_dtype="fp8" if fp8 else args.dtype,
+    state_dtype=args.dtype,
+    memory_bytes=int(args.memory_gib * 2**30),
+    max_model_len=args.context + 3 * args.steps + 64,
+  )
   budget = min(2048, args.batch * args.context)
-  engine = LLMEngine(runner, EngineConfig(cache=cache, max_num_reqs=args.batch, max_num_batched_tokens=budget,
-                                          buckets=tuple(sorted({args.batch, budget}))))
+  engine = LLMEngine(
+    runner,
+    EngineConfig(
+      cache=cache, max_num_reqs=args.batch, max_num_batched_tokens=budget, buckets=tuple(sorted({args.batch, budget}))
+    ),
+  )
   engine.warmup()
   rng = np.random.default_rng(0)
-  reqs = [engine.add_request(f"r{i}", [int(t) for t in rng.integers(1, config.vocab_size, args.context)],
-                             SamplingParams(max_tokens=3 * args.steps)) for i in range(args.batch)]
+  reqs = [
+    engine.add_request(
+      f"r{i}",
+      [int(t) for t in rng.integers(1, config.vocab_size, args.context)],
+      SamplingParams(max_tokens=3 * args.steps),
+    )
+    for i in range(args.batch)
+  ]
   while not all(r.output_token_ids for r in reqs):
     engine.step()
   for _ in range(10):
@@ -89,15 +104,22 @@ def main() -> int:
   pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
   cum = io.StringIO()
   pstats.Stats(prof, stream=cum).sort_stats("cumulative").print_stats(r"jaxkv|models", 25)
-  result = {"config": args.config, "batch": args.batch, "device": str(jax.devices()[0].device_kind),
-            "step_ms_p50": step_ms, "host_ms_per_step": host_ms, "wait_ms_per_step": waited[0] / args.steps * 1e3,
-            "param_leaves": len(engine._param_leaves)}
+  result = {
+    "config": args.config,
+    "batch": args.batch,
+    "device": str(jax.devices()[0].device_kind),
+    "step_ms_p50": step_ms,
+    "host_ms_per_step": host_ms,
+    "wait_ms_per_step": waited[0] / args.steps * 1e3,
+    "param_leaves": len(engine._param_leaves),
+  }
   print(json.dumps(result))
   print(text.getvalue())
   print(cum.getvalue())
   if args.out:
-    pathlib.Path(args.out).write_text(json.dumps({**result, "profile_tottime": text.getvalue(),
-                                                  "profile_cumulative": cum.getvalue()}, indent=1))
+    pathlib.Path(args.out).write_text(
+      json.dumps({**result, "profile_tottime": text.getvalue(), "profile_cumulative": cum.getvalue()}, indent=1)
+    )
   return 0
 
 

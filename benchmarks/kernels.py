@@ -31,10 +31,16 @@ H_MLA, L_MLA, TOPK = 64, 512, 2048
 # Swept at the goal sizes (``--sweep``); every setting is timed at each size and written down, and
 # the kernels' defaults are set from these runs (docs/kernels.md).
 SWEEP = [
-    ("paged_mqa_logits", [dict(batch=1, ctx=131072), dict(batch=64, ctx=32768)],
-     [dict(pages_per_program=p, num_warps=w) for p in (1, 2, 4, 8) for w in (2, 4)]),
-    ("sparse_mla_decode", [dict(batch=1, ctx=32768), dict(batch=64, ctx=32768)],
-     [dict(block_k=k, block_h=h, num_warps=w) for k in (32, 64) for h in (16, 32, 64) for w in (4, 8)]),
+  (
+    "paged_mqa_logits",
+    [dict(batch=1, ctx=131072), dict(batch=64, ctx=32768)],
+    [dict(pages_per_program=p, num_warps=w) for p in (1, 2, 4, 8) for w in (2, 4)],
+  ),
+  (
+    "sparse_mla_decode",
+    [dict(batch=1, ctx=32768), dict(batch=64, ctx=32768)],
+    [dict(block_k=k, block_h=h, num_warps=w) for k in (32, 64) for h in (16, 32, 64) for w in (4, 8)],
+  ),
 ]
 # The defaults before issue 11 ("pallas_previous" in the table: the old kernels, same run).
 PREVIOUS = {"paged_mqa_logits": dict(pages_per_program=8, num_warps=2, num_stages=3)}
@@ -90,7 +96,7 @@ def measure_bandwidth(iters, repeats):
 
 def bench_mqa_logits(batch, ctx, impl, iters, repeats, **tune):
   import jax
-  from jaxkv import KernelView, cdiv
+  from jaxkv import KernelView
   import jax.numpy as jnp
   from pallas_kernels._common import quantize_fp8_pow2, value_bytes
   from pallas_kernels.paged_mqa_logits import paged_mqa_logits
@@ -101,8 +107,9 @@ def bench_mqa_logits(batch, ctx, impl, iters, repeats, **tune):
   k = jax.random.normal(jax.random.key(1), (num_pages, P, D_IDX), jnp.float32)
   q8, sc = quantize_fp8_pow2(k)
   pages = jnp.concatenate([value_bytes(q8).reshape(num_pages, -1), value_bytes(sc).reshape(num_pages, -1)], 1)
-  table = jnp.asarray(np.random.default_rng(0).permutation(np.arange(1, num_pages)).reshape(batch, pages_per_req)
-                      .astype(np.int32))
+  table = jnp.asarray(
+    np.random.default_rng(0).permutation(np.arange(1, num_pages)).reshape(batch, pages_per_req).astype(np.int32)
+  )
   q = jax.random.normal(jax.random.key(2), (batch, 1, H_IDX, D_IDX), jnp.float32)
   w = jax.random.normal(jax.random.key(3), (batch, H_IDX), jnp.float32)
   ctx_lens = jnp.full((batch, 1), entries, jnp.int32)
@@ -110,8 +117,9 @@ def bench_mqa_logits(batch, ctx, impl, iters, repeats, **tune):
 
   # The chain enters through q, the operand of the expensive part, so XLA cannot hoist or CSE it.
   def step(q_, c):
-    out = paged_mqa_logits(q_.astype(jnp.float8_e4m3fn), c[0], c[1], c[2], c[3], view=view, cache_dtype="fp8",
-                           implementation=impl, **tune)
+    out = paged_mqa_logits(
+      q_.astype(jnp.float8_e4m3fn), c[0], c[1], c[2], c[3], view=view, cache_dtype="fp8", implementation=impl, **tune
+    )
     return q_ + _dep(out)
 
   t = _timeit(step, q, (pages, w, ctx_lens, table), iters, repeats)
@@ -121,7 +129,7 @@ def bench_mqa_logits(batch, ctx, impl, iters, repeats, **tune):
 
 def bench_sparse_mla(batch, ctx, impl, iters, repeats, cache_dtype="bfloat16", **tune):
   import jax
-  from jaxkv import KernelView, cdiv
+  from jaxkv import KernelView
   import jax.numpy as jnp
   from pallas_kernels.cache_write import encode_entries, entry_bytes
   from pallas_kernels.sparse_mla_decode import sparse_mla_decode
@@ -141,8 +149,15 @@ def bench_sparse_mla(batch, ctx, impl, iters, repeats, cache_dtype="bfloat16", *
   reqs = jnp.arange(batch, dtype=jnp.int32)
 
   def step(q_, c):
-    out = sparse_mla_decode(q_, *c, view=KernelView.for_rows(bs * e, tokens_per_row=bs),
-                            cache_dtype=cache_dtype, sm_scale=L_MLA ** -0.5, implementation=impl, **tune)
+    out = sparse_mla_decode(
+      q_,
+      *c,
+      view=KernelView.for_rows(bs * e, tokens_per_row=bs),
+      cache_dtype=cache_dtype,
+      sm_scale=L_MLA**-0.5,
+      implementation=impl,
+      **tune,
+    )
     return q_ + _dep(out).astype(q_.dtype)
 
   t = _timeit(step, q, (cache, idx, reqs, table), iters, repeats)
@@ -163,20 +178,22 @@ def bench_bare_copy(nbytes, iters, repeats):
 
 def bench_cache_write(tokens, impl, iters, repeats, **tune):
   import jax
-  from jaxkv import KernelView, cdiv
+  from jaxkv import KernelView
   import jax.numpy as jnp
   from pallas_kernels.cache_write import write_to_paged_cache
 
   bs, e = 1024, L_MLA * 2  # bf16 latents into rows of the GLM-5.3-Flash packed block geometry
   row_bytes, offset, blocks = 11_911_680, 371_712, 400
   cache = jax.random.bits(jax.random.key(6), (blocks, row_bytes), jnp.uint8)
-  slots = jnp.asarray(np.random.default_rng(2).choice(np.arange(bs, blocks * bs), tokens, replace=False)
-                      .astype(np.int32))
+  slots = jnp.asarray(
+    np.random.default_rng(2).choice(np.arange(bs, blocks * bs), tokens, replace=False).astype(np.int32)
+  )
   entries = jax.random.bits(jax.random.key(7), (tokens, e), jnp.uint8)
 
   def step(c, k):
-    return write_to_paged_cache(c, k[0], k[1], view=KernelView.for_rows(row_bytes, tokens_per_row=bs, offset_bytes=offset),
-                                implementation=impl)
+    return write_to_paged_cache(
+      c, k[0], k[1], view=KernelView.for_rows(row_bytes, tokens_per_row=bs, offset_bytes=offset), implementation=impl
+    )
 
   t = _timeit(step, cache, (entries, slots), iters, repeats)
   return t, 2 * tokens * e
@@ -219,18 +236,27 @@ def bench_kpool(tokens, impl, iters, repeats, **tune):
 
     def scatter(state, k):
       c, tl = state
-      c = write_to_paged_cache(c, k[0], k[1], view=KernelView.for_rows(page_bytes, tokens_per_row=P),
-                               implementation="xla")
-      return c, write_to_paged_cache(tl, k[2], k[3], view=KernelView.for_rows(tail.shape[1], tokens_per_row=ring),
-                                     implementation="xla")
+      c = write_to_paged_cache(
+        c, k[0], k[1], view=KernelView.for_rows(page_bytes, tokens_per_row=P), implementation="xla"
+      )
+      return c, write_to_paged_cache(
+        tl, k[2], k[3], view=KernelView.for_rows(tail.shape[1], tokens_per_row=ring), implementation="xla"
+      )
 
     return _timeit(scatter, (cache, tail), (entries, pool_slots, ring_entries, ring_slots), iters, repeats), nbytes
 
   def step(state, k):
     c, tl = state
-    return kpool_compress_and_write(c, tl, *k, view=KernelView.for_rows(page_bytes, entries_per_page=P),
-                                    tail_view=KernelView.for_rows(tail.shape[1], tokens_per_row=ring),
-                                    kpool=KPOOL, cache_dtype="fp8", implementation=impl)
+    return kpool_compress_and_write(
+      c,
+      tl,
+      *k,
+      view=KernelView.for_rows(page_bytes, entries_per_page=P),
+      tail_view=KernelView.for_rows(tail.shape[1], tokens_per_row=ring),
+      kpool=KPOOL,
+      cache_dtype="fp8",
+      implementation=impl,
+    )
 
   return _timeit(step, (cache, tail), (keys, gates, ape, *args), iters, repeats), nbytes
 
@@ -241,12 +267,28 @@ def step_metadata_spec():
   from jaxkv import KernelTableGroup, SlotGroup, StepMetadataSpec
 
   return StepMetadataSpec(
-      (SlotGroup("tokens", 16), SlotGroup("tokens", 64), SlotGroup("tokens", 256), SlotGroup("ring", 8),
-       SlotGroup("ring", 128), SlotGroup("none", 64), SlotGroup("none", 64), SlotGroup("tokens", 1024)),
-      (KernelTableGroup(0), KernelTableGroup(2, 4, 4, mapped=True),
-       KernelTableGroup(2, 2, 7, mapped=True, states_per_page=32, compress_ratio=4),
-       KernelTableGroup(1, states_per_page=16, compress_ratio=4), KernelTableGroup(3), KernelTableGroup(4),
-       KernelTableGroup(5), KernelTableGroup(6), KernelTableGroup(7, 16, 16, mapped=True)))
+    (
+      SlotGroup("tokens", 16),
+      SlotGroup("tokens", 64),
+      SlotGroup("tokens", 256),
+      SlotGroup("ring", 8),
+      SlotGroup("ring", 128),
+      SlotGroup("none", 64),
+      SlotGroup("none", 64),
+      SlotGroup("tokens", 1024),
+    ),
+    (
+      KernelTableGroup(0),
+      KernelTableGroup(2, 4, 4, mapped=True),
+      KernelTableGroup(2, 2, 7, mapped=True, states_per_page=32, compress_ratio=4),
+      KernelTableGroup(1, states_per_page=16, compress_ratio=4),
+      KernelTableGroup(3),
+      KernelTableGroup(4),
+      KernelTableGroup(5),
+      KernelTableGroup(6),
+      KernelTableGroup(7, 16, 16, mapped=True),
+    ),
+  )
 
 
 def bench_step_metadata(tokens, impl, iters, repeats, reqs=256, max_model_len=32768, **tune):
@@ -255,7 +297,6 @@ def bench_step_metadata(tokens, impl, iters, repeats, reqs=256, max_model_len=32
 
   Each call's slots feed the next call's positions through a reduction over every slot row (so
   XLA keeps all of them); the kernel tables are the donated loop state."""
-  import jax
   import jax.numpy as jnp
   from pallas_kernels.step_metadata import compute_step_metadata
 
@@ -271,8 +312,12 @@ def bench_step_metadata(tokens, impl, iters, repeats, reqs=256, max_model_len=32
   req = np.repeat(rng.permutation(reqs)[:n], per).astype(np.int32)
   lens = np.asarray(counts[0])[req] * 16
   pos = (rng.integers(0, 1 << 30, tokens) % np.maximum(lens - per, 1) + np.tile(np.arange(per), n)).astype(np.int32)
-  bufs = tuple(jnp.zeros((reqs, tables[ag.kv_cache_group_id].shape[1] * ag.blocks_per_kernel_block), jnp.int32)
-               if ag.mapped else None for ag in spec.attention_groups)
+  bufs = tuple(
+    jnp.zeros((reqs, tables[ag.kv_cache_group_id].shape[1] * ag.blocks_per_kernel_block), jnp.int32)
+    if ag.mapped
+    else None
+    for ag in spec.attention_groups
+  )
 
   def step(state, c):
     kts, p = state
@@ -285,8 +330,12 @@ def bench_step_metadata(tokens, impl, iters, repeats, reqs=256, max_model_len=32
   mapped = [b for b in bufs if b is not None]
   nrows = sum(1 for sg in spec.slot_groups if sg.kind != "none") + sum(ag.compressed for ag in spec.attention_groups)
   # Written once: every slot row and kernel table; read once: the mapped manager tables, tokens.
-  nbytes = 4 * (nrows * tokens + sum(b.size for b in mapped) + 2 * tokens
-                + sum(tables[ag.kv_cache_group_id].size for ag in spec.attention_groups if ag.mapped))
+  nbytes = 4 * (
+    nrows * tokens
+    + sum(b.size for b in mapped)
+    + 2 * tokens
+    + sum(tables[ag.kv_cache_group_id].size for ag in spec.attention_groups if ag.mapped)
+  )
   return t, nbytes
 
 
@@ -320,10 +369,18 @@ def run(args):
   for t in (256, 8192):
     cases.append(("step_metadata", dict(tokens=t)))
   if args.quick:
-    cases = [c for c in cases if c[1].get("batch", 64) == 64 and c[1].get("ctx", 32768) == 32768
-             and c[1].get("tokens", 1024) == 1024]
-  fns = {"paged_mqa_logits": bench_mqa_logits, "sparse_mla_decode": bench_sparse_mla,
-         "cache_write": bench_cache_write, "kpool_compress": bench_kpool, "step_metadata": bench_step_metadata}
+    cases = [
+      c
+      for c in cases
+      if c[1].get("batch", 64) == 64 and c[1].get("ctx", 32768) == 32768 and c[1].get("tokens", 1024) == 1024
+    ]
+  fns = {
+    "paged_mqa_logits": bench_mqa_logits,
+    "sparse_mla_decode": bench_sparse_mla,
+    "cache_write": bench_cache_write,
+    "kpool_compress": bench_kpool,
+    "step_metadata": bench_step_metadata,
+  }
   only = args.only.split(",") if args.only else list(fns)
   cases = [c for c in cases if c[0] in only]
   result = {"device": dev.device_kind, "jax": jax.__version__, "bandwidth_Bps": bw, "sweep": [], "rows": rows}
@@ -358,8 +415,7 @@ def run(args):
       impls.append(("scatter", {}))
     for impl, tune in impls:
       try:
-        t, nbytes = fns[name](**kw, impl=impl.removesuffix("_previous"), iters=args.iters, repeats=args.repeats,
-                              **tune)
+        t, nbytes = fns[name](**kw, impl=impl.removesuffix("_previous"), iters=args.iters, repeats=args.repeats, **tune)
         row[f"{impl}_us"] = t * 1e6
         row["bytes"] = nbytes
         row[f"{impl}_frac_bw"] = nbytes / t / bw
@@ -397,18 +453,22 @@ def _fmt(r):
 
 def table(result):
   bw = result["bandwidth_Bps"]
-  lines = [f"{result['device']}, jax {result['jax']}, measured bandwidth {bw / 1e12:.2f} TB/s",
-           "| kernel | size | MB moved | Pallas us | Pallas frac BW | previous Pallas us | speed-up vs previous "
-           "| XLA us | XLA frac BW | Pallas speed-up vs XLA | Pallas time / bare XLA scatter | Pallas time / bare copy |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  lines = [
+    f"{result['device']}, jax {result['jax']}, measured bandwidth {bw / 1e12:.2f} TB/s",
+    "| kernel | size | MB moved | Pallas us | Pallas frac BW | previous Pallas us | speed-up vs previous "
+    "| XLA us | XLA frac BW | Pallas speed-up vs XLA | Pallas time / bare XLA scatter | Pallas time / bare copy |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
   for r in result["rows"]:
     size = ", ".join(f"{k} {r[k]}" for k in _SIZE_KEYS if k in r)
     cell = lambda k, f: (f % r[k]) if k in r else ("error" if k.replace("_us", "_error") in r else "-")
-    lines.append(f"| {r['kernel']} | {size} | {r.get('bytes', 0) / 1e6:.2f} | {cell('pallas_us', '%.1f')} | "
-                 f"{cell('pallas_frac_bw', '%.2f')} | {cell('pallas_previous_us', '%.1f')} | "
-                 f"{cell('speedup_vs_previous', '%.2fx')} | {cell('xla_us', '%.1f')} | {cell('xla_frac_bw', '%.2f')} | "
-                 f"{cell('speedup_vs_xla', '%.2fx')} | {cell('pallas_over_bare_scatter', '%.2f')} | "
-                 f"{cell('pallas_over_bare_copy', '%.2f')} |")
+    lines.append(
+      f"| {r['kernel']} | {size} | {r.get('bytes', 0) / 1e6:.2f} | {cell('pallas_us', '%.1f')} | "
+      f"{cell('pallas_frac_bw', '%.2f')} | {cell('pallas_previous_us', '%.1f')} | "
+      f"{cell('speedup_vs_previous', '%.2fx')} | {cell('xla_us', '%.1f')} | {cell('xla_frac_bw', '%.2f')} | "
+      f"{cell('speedup_vs_xla', '%.2fx')} | {cell('pallas_over_bare_scatter', '%.2f')} | "
+      f"{cell('pallas_over_bare_copy', '%.2f')} |"
+    )
   return "\n".join(lines)
 
 

@@ -25,15 +25,24 @@ import kernels as K  # noqa: E402
 
 # module -> (public function, benchmark, sizes)
 KERNELS = {
-    "sparse_mla_decode": ("sparse_mla_decode", K.bench_sparse_mla,
-                          [dict(batch=64, ctx=32768), dict(batch=1, ctx=32768), dict(batch=8, ctx=32768),
-                           dict(batch=32, ctx=1024), dict(batch=64, ctx=32768, cache_dtype="fp8")]),
-    "paged_mqa_logits": ("paged_mqa_logits", K.bench_mqa_logits,
-                         [dict(batch=1, ctx=131072), dict(batch=8, ctx=32768), dict(batch=64, ctx=32768),
-                          dict(batch=64, ctx=131072)]),
-    "kpool": ("kpool_compress_and_write", K.bench_kpool, [dict(tokens=128), dict(tokens=1024), dict(tokens=8192)]),
-    "cache_write": ("write_to_paged_cache", K.bench_cache_write,
-                    [dict(tokens=8), dict(tokens=1024), dict(tokens=8192)]),
+  "sparse_mla_decode": (
+    "sparse_mla_decode",
+    K.bench_sparse_mla,
+    [
+      dict(batch=64, ctx=32768),
+      dict(batch=1, ctx=32768),
+      dict(batch=8, ctx=32768),
+      dict(batch=32, ctx=1024),
+      dict(batch=64, ctx=32768, cache_dtype="fp8"),
+    ],
+  ),
+  "paged_mqa_logits": (
+    "paged_mqa_logits",
+    K.bench_mqa_logits,
+    [dict(batch=1, ctx=131072), dict(batch=8, ctx=32768), dict(batch=64, ctx=32768), dict(batch=64, ctx=131072)],
+  ),
+  "kpool": ("kpool_compress_and_write", K.bench_kpool, [dict(tokens=128), dict(tokens=1024), dict(tokens=8192)]),
+  "cache_write": ("write_to_paged_cache", K.bench_cache_write, [dict(tokens=8), dict(tokens=1024), dict(tokens=8192)]),
 }
 
 
@@ -59,9 +68,13 @@ def run(args):
     module = importlib.import_module(f"pallas_kernels.{module_name}")
     current = getattr(module, fn_name)
     previous = getattr(_load(previous_dir / f"{module_name}.py", module_name), fn_name)
-    runs = [("previous", previous, {}), ("current", current, {}),
-            *[(name, current, json.loads(tune)) for name, tune in variants],
-            ("previous_again", previous, {}), ("current_again", current, {})]
+    runs = [
+      ("previous", previous, {}),
+      ("current", current, {}),
+      *[(name, current, json.loads(tune)) for name, tune in variants],
+      ("previous_again", previous, {}),
+      ("current_again", current, {}),
+    ]
     for kw in sizes:
       row = {"kernel": module_name, **kw}
       for name, fn, tune in runs:
@@ -75,8 +88,13 @@ def run(args):
           row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         finally:
           setattr(module, fn_name, current)
-        print(module_name, kw, name, f"{row[f'{name}_us']:.1f} us" if f"{name}_us" in row else row[f"{name}_error"],
-              flush=True)
+        print(
+          module_name,
+          kw,
+          name,
+          f"{row[f'{name}_us']:.1f} us" if f"{name}_us" in row else row[f"{name}_error"],
+          flush=True,
+        )
       result["rows"].append(row)
       if args.out:
         out = pathlib.Path(args.out)
@@ -90,8 +108,13 @@ def main():
   p.add_argument("--previous", required=True, help="directory of previous kernel files (MODULE.py)")
   p.add_argument("--out", help="directory for kernels_ab.json")
   p.add_argument("--only", metavar="MODULES", help=f"comma-separated, of {', '.join(KERNELS)} (default: all)")
-  p.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
-                 help="also time the current kernel with these tuning arguments")
+  p.add_argument(
+    "--variant",
+    action="append",
+    default=[],
+    metavar="NAME=JSON",
+    help="also time the current kernel with these tuning arguments",
+  )
   p.add_argument("--iters", type=int, default=20)
   p.add_argument("--repeats", type=int, default=5)
   run(p.parse_args())

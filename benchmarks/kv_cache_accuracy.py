@@ -60,11 +60,18 @@ def compare(got, want) -> dict:
       ref = dict(ref_lps[i])
       diffs += [abs(v - ref[t]) for t, v in lps[i] if t in ref]
   d = np.asarray(diffs)
-  return {"token_agreement": same / total, "tokens": total, "requests_diverged": diverged,
-          "requests": len(want), "first_divergence_steps": sorted(first),
-          "top5_ids_identical_fraction": ids_equal / steps, "steps_compared": steps,
-          "logprob_abs_diff_max": float(d.max()), "logprob_abs_diff_mean": float(d.mean()),
-          "logprob_abs_diff_p99": float(np.quantile(d, 0.99))}
+  return {
+    "token_agreement": same / total,
+    "tokens": total,
+    "requests_diverged": diverged,
+    "requests": len(want),
+    "first_divergence_steps": sorted(first),
+    "top5_ids_identical_fraction": ids_equal / steps,
+    "steps_compared": steps,
+    "logprob_abs_diff_max": float(d.max()),
+    "logprob_abs_diff_mean": float(d.mean()),
+    "logprob_abs_diff_p99": float(np.quantile(d, 0.99)),
+  }
 
 
 def measure(fixture: pathlib.Path, num_prompts: int, new_tokens: int, seed: int = 0) -> dict:
@@ -78,8 +85,13 @@ def measure(fixture: pathlib.Path, num_prompts: int, new_tokens: int, seed: int 
   prompts = [list(p) for p in expected["prompts"]]
   prompts += [[int(t) for t in rng.integers(1, cfg.vocab_size, int(n))] for n in rng.integers(8, 121, num_prompts)]
   ref = serve(hf_model, prompts, "float32", new_tokens)
-  return {"fixture": fixture.name, "kv_lora_rank": cfg.kv_lora_rank, "prompts": len(prompts), "new_tokens": new_tokens,
-          **{fmt: compare(serve(hf_model, prompts, fmt, new_tokens), ref) for fmt in FORMATS}}
+  return {
+    "fixture": fixture.name,
+    "kv_lora_rank": cfg.kv_lora_rank,
+    "prompts": len(prompts),
+    "new_tokens": new_tokens,
+    **{fmt: compare(serve(hf_model, prompts, fmt, new_tokens), ref) for fmt in FORMATS},
+  }
 
 
 def main() -> int:
@@ -89,16 +101,20 @@ def main() -> int:
   p.add_argument("--new-tokens", type=int, default=32)
   args = p.parse_args()
   results = [measure(f, args.prompts, args.new_tokens) for f in sorted(FIXTURES.iterdir()) if f.is_dir()]
-  print("| fixture | latent | token agreement | requests diverged (first step) | top-5 ids identical | "
-        "max / p99 / mean abs logprob diff |")
+  print(
+    "| fixture | latent | token agreement | requests diverged (first step) | top-5 ids identical | "
+    "max / p99 / mean abs logprob diff |"
+  )
   print("|---|---|---|---|---|---|")
   for r in results:
     for fmt in FORMATS:
       m = r[fmt]
-      print(f"| {r['fixture']} (rank {r['kv_lora_rank']}) | {fmt} | {m['token_agreement']:.2%} of {m['tokens']} | "
-            f"{m['requests_diverged']} of {m['requests']} {m['first_divergence_steps']} | "
-            f"{m['top5_ids_identical_fraction']:.1%} of {m['steps_compared']} steps | "
-            f"{m['logprob_abs_diff_max']:.2e} / {m['logprob_abs_diff_p99']:.2e} / {m['logprob_abs_diff_mean']:.2e} |")
+      print(
+        f"| {r['fixture']} (rank {r['kv_lora_rank']}) | {fmt} | {m['token_agreement']:.2%} of {m['tokens']} | "
+        f"{m['requests_diverged']} of {m['requests']} {m['first_divergence_steps']} | "
+        f"{m['top5_ids_identical_fraction']:.1%} of {m['steps_compared']} steps | "
+        f"{m['logprob_abs_diff_max']:.2e} / {m['logprob_abs_diff_p99']:.2e} / {m['logprob_abs_diff_mean']:.2e} |"
+      )
   if args.out:
     pathlib.Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
   return 0

@@ -81,8 +81,9 @@ def gemm_rate(n: int = 8192, iters: int = 20) -> float:
   import jax.numpy as jnp
 
   a, b = (jax.random.normal(jax.random.key(i), (n, n), jnp.bfloat16) for i in range(2))
-  return 2 * n ** 3 / _median_s(jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32)), a, b,
-                                iters=iters)
+  return (
+    2 * n**3 / _median_s(jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32)), a, b, iters=iters)
+  )
 
 
 def _param_sizes(runner) -> dict[str, int]:
@@ -119,11 +120,22 @@ def decode_bytes(runner, batch: int, context: int, distinct_experts: float, kv_c
   experts = sizes["routed_bytes"] * distinct_experts / cfg.n_routed_experts
   dsa = len(cfg.dsa_layers)
   selected = min(context, cfg.index_topk + cfg.index_kpool - 1)
-  kv = batch * dsa * (selected * entry_bytes(cfg.kv_lora_rank, kv_cache_dtype) + (context // cfg.index_kpool) * (cfg.index_head_dim + 4))
-  kda_state = cfg.linear_num_heads * cfg.linear_head_dim ** 2 * 4
+  kv = (
+    batch
+    * dsa
+    * (
+      selected * entry_bytes(cfg.kv_lora_rank, kv_cache_dtype) + (context // cfg.index_kpool) * (cfg.index_head_dim + 4)
+    )
+  )
+  kda_state = cfg.linear_num_heads * cfg.linear_head_dim**2 * 4
   kv += batch * len(cfg.kda_layers) * 2 * kda_state
-  return {"dense_weight_bytes": sizes["dense_bytes"], "routed_expert_bytes": experts, "distinct_experts": distinct_experts,
-          "kv_bytes": kv, "total_bytes": sizes["dense_bytes"] + experts + kv}
+  return {
+    "dense_weight_bytes": sizes["dense_bytes"],
+    "routed_expert_bytes": experts,
+    "distinct_experts": distinct_experts,
+    "kv_bytes": kv,
+    "total_bytes": sizes["dense_bytes"] + experts + kv,
+  }
 
 
 def prefill_flops(runner, batch: int, context: int) -> float:
@@ -133,17 +145,22 @@ def prefill_flops(runner, batch: int, context: int) -> float:
   form, no RoPE dims), the indexer over the pooled keys each token sees, and the KDA recurrence's state update."""
   cfg = runner.config
   sizes = _param_sizes(runner)
-  active = (sizes["dense_params"] - sizes["lm_head_params"]
-            + sizes["routed_params"] * cfg.num_experts_per_tok / cfg.n_routed_experts)
+  active = (
+    sizes["dense_params"]
+    - sizes["lm_head_params"]
+    + sizes["routed_params"] * cfg.num_experts_per_tok / cfg.n_routed_experts
+  )
   flops = 2.0 * active * batch * context + 2.0 * sizes["lm_head_params"] * batch
   pos = range(1, context + 1)
   selected = sum(min(p, cfg.index_topk + cfg.index_kpool - 1) for p in pos)
   pooled = sum(p // cfg.index_kpool for p in pos)
-  per_layer = (2.0 * cfg.num_attention_heads * selected * 2 * cfg.kv_lora_rank
-               + 2.0 * cfg.index_n_heads * cfg.index_head_dim * pooled)
+  per_layer = (
+    2.0 * cfg.num_attention_heads * selected * 2 * cfg.kv_lora_rank
+    + 2.0 * cfg.index_n_heads * cfg.index_head_dim * pooled
+  )
   flops += batch * len(cfg.dsa_layers) * per_layer
   # decay, k^T S, the rank-one update and q^T S: four passes over the [K, V] state a token.
-  flops += batch * context * len(cfg.kda_layers) * 4 * 2.0 * cfg.linear_num_heads * cfg.linear_head_dim ** 2
+  flops += batch * context * len(cfg.kda_layers) * 4 * 2.0 * cfg.linear_num_heads * cfg.linear_head_dim**2
   return flops
 
 
@@ -183,8 +200,12 @@ def routed_experts_per_step(engine, prompts, new_tokens: int, steps: int) -> dic
   layers = sum(t == "sparse" for t in engine.runner.config.mlp_layer_types)
   if len(counts) < steps * layers:
     raise RuntimeError(f"the router reported {len(counts)} decode calls, expected {steps} steps x {layers} MoE layers.")
-  return {"distinct_experts": float(np.mean(counts)), "distinct_experts_min": int(np.min(counts)),
-          "distinct_experts_max": int(np.max(counts)), "routing_calls": len(counts)}
+  return {
+    "distinct_experts": float(np.mean(counts)),
+    "distinct_experts_min": int(np.min(counts)),
+    "distinct_experts_max": int(np.max(counts)),
+    "routing_calls": len(counts),
+  }
 
 
 def main() -> int:
@@ -197,8 +218,11 @@ def main() -> int:
   p.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens (prefill chunk)")
   p.add_argument("--implementation", default="auto", choices=("auto", "xla", "pallas"))
   p.add_argument("--profile", default=None, help="trace each batch's decode steps into DIR/bB")
-  p.add_argument("--metadata-implementations", default="auto",
-                 help="comma-separated EngineConfig.step_metadata_implementation values, each run in turn")
+  p.add_argument(
+    "--metadata-implementations",
+    default="auto",
+    help="comma-separated EngineConfig.step_metadata_implementation values, each run in turn",
+  )
   p.add_argument("--config", default="glm-5.3-flash-slice4")
   p.add_argument("--memory-gib", type=float, default=8.0, help="KV-cache budget")
   p.add_argument("--explain-cache-misses", action="store_true", help="log why each trace missed jit's cache")
@@ -228,8 +252,15 @@ def main() -> int:
   import numpy as np
 
   bandwidth, gemm = copy_bandwidth(), gemm_rate()
-  emit({"system": "device", "copy_bandwidth_TBps": bandwidth / 1e12, "bf16_gemm_TFLOPs": gemm / 1e12,
-        "device": str(jax.devices()[0].device_kind), "jax": jax.__version__})
+  emit(
+    {
+      "system": "device",
+      "copy_bandwidth_TBps": bandwidth / 1e12,
+      "bf16_gemm_TFLOPs": gemm / 1e12,
+      "device": str(jax.devices()[0].device_kind),
+      "jax": jax.__version__,
+    }
+  )
   family = get_model_family("glm5_next")
   config = family.builtin_config(args.config)
   t0 = time.perf_counter()
@@ -241,24 +272,54 @@ def main() -> int:
   for batch in batches:
     prompts = [list(rng.integers(1, config.vocab_size, args.context)) for _ in range(batch)]
     new_tokens = decode_new_tokens(batch, args.context, args.budget, args.steps, 8 if args.profile else 0)
-    cache = CacheConfig(block_size=1024, layout="packed", kv_cache_dtype=args.kv_cache_dtype, indexer_cache_dtype="fp8",
-                        state_dtype="bfloat16", memory_bytes=int(args.memory_gib * 2**30), max_model_len=args.context + new_tokens + 64)
+    cache = CacheConfig(
+      block_size=1024,
+      layout="packed",
+      kv_cache_dtype=args.kv_cache_dtype,
+      indexer_cache_dtype="fp8",
+      state_dtype="bfloat16",
+      memory_bytes=int(args.memory_gib * 2**30),
+      max_model_len=args.context + new_tokens + 64,
+    )
     for meta in args.metadata_implementations.split(","):
       # Decode steps run exactly `batch` tokens (no padding routed through the MoE); prefill the budget.
-      engine_config = EngineConfig(cache=cache, max_num_reqs=batch, max_num_batched_tokens=args.budget,
-                                   buckets=tuple(sorted({batch, args.budget})), step_metadata_implementation=meta)
+      engine_config = EngineConfig(
+        cache=cache,
+        max_num_reqs=batch,
+        max_num_batched_tokens=args.budget,
+        buckets=tuple(sorted({batch, args.budget})),
+        step_metadata_implementation=meta,
+      )
       engine = LLMEngine(runner, engine_config)
-      result = benchmark_decode(engine, prompts, steps=args.steps, new_tokens=new_tokens,
-                                profile_dir=f"{args.profile}/b{batch}-{meta}" if args.profile else None)
+      result = benchmark_decode(
+        engine,
+        prompts,
+        steps=args.steps,
+        new_tokens=new_tokens,
+        profile_dir=f"{args.profile}/b{batch}-{meta}" if args.profile else None,
+      )
       del engine
       uniform = expected_distinct_experts(config.n_routed_experts, config.num_experts_per_tok, batch)
       flops = prefill_flops(runner, batch, args.context)
-      row = {"system": "jaxkv", "config": args.config, "build_s": build_s, "budget": args.budget,
-             "context": args.context, "kv_cache_dtype": args.kv_cache_dtype, "implementation": runner.implementation,
-             "step_metadata_implementation": meta, **result,
-             "uniform_routing_roofline_ms": decode_bytes(runner, batch, args.context, uniform, args.kv_cache_dtype)["total_bytes"] / bandwidth * 1e3,
-             "prefill_flops": flops, "prefill_roofline_s": flops / gemm,
-             "prefill_roofline_fraction": flops / gemm / result["prefill_s"]}
+      row = {
+        "system": "jaxkv",
+        "config": args.config,
+        "build_s": build_s,
+        "budget": args.budget,
+        "context": args.context,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "implementation": runner.implementation,
+        "step_metadata_implementation": meta,
+        **result,
+        "uniform_routing_roofline_ms": decode_bytes(runner, batch, args.context, uniform, args.kv_cache_dtype)[
+          "total_bytes"
+        ]
+        / bandwidth
+        * 1e3,
+        "prefill_flops": flops,
+        "prefill_roofline_s": flops / gemm,
+        "prefill_roofline_fraction": flops / gemm / result["prefill_s"],
+      }
       emit(row)
       runs.append((row, prompts, new_tokens, engine_config))
   # The routing pass after every timed one: tracing it with host callbacks needs jit's caches cleared.
@@ -270,17 +331,21 @@ def main() -> int:
     row.update({**routing, **need, "roofline_ms": roof_ms, "roofline_fraction": roof_ms / row["step_ms_p50"]})
     emit({**row, "system": "jaxkv_roofline"})
 
-  print(f"\n| batch | jaxkv ms/step | HF ms/step | speed-up | jaxkv tok/s | HF tok/s | roofline ms | of roofline |"
-        f" distinct experts (uniform) | jaxkv prefill s | HF prefill s | prefill of roofline |")
+  print(
+    "\n| batch | jaxkv ms/step | HF ms/step | speed-up | jaxkv tok/s | HF tok/s | roofline ms | of roofline |"
+    " distinct experts (uniform) | jaxkv prefill s | HF prefill s | prefill of roofline |"
+  )
   print("|---|---|---|---|---|---|---|---|---|---|---|---|")
   for r, *_ in runs:
     h = peer.get(r["batch"], {})
     speed = f"{h['step_ms'] / r['step_ms_p50']:.1f}x" if h else "-"
     uniform = expected_distinct_experts(config.n_routed_experts, config.num_experts_per_tok, r["batch"])
-    print(f"| {r['batch']} | {r['step_ms_p50']:.2f} | {h.get('step_ms', '-')} | {speed} | "
-          f"{r['decode_tokens_per_s']:.1f} | {h.get('decode_tok_s', '-')} | {r['roofline_ms']:.2f} | "
-          f"{r['roofline_fraction']:.0%} | {r['distinct_experts']:.1f} ({uniform:.1f}) | {r['prefill_s']:.2f} | "
-          f"{h.get('prefill_s', '-')} | {r['prefill_roofline_fraction']:.0%} |")
+    print(
+      f"| {r['batch']} | {r['step_ms_p50']:.2f} | {h.get('step_ms', '-')} | {speed} | "
+      f"{r['decode_tokens_per_s']:.1f} | {h.get('decode_tok_s', '-')} | {r['roofline_ms']:.2f} | "
+      f"{r['roofline_fraction']:.0%} | {r['distinct_experts']:.1f} ({uniform:.1f}) | {r['prefill_s']:.2f} | "
+      f"{h.get('prefill_s', '-')} | {r['prefill_roofline_fraction']:.0%} |"
+    )
   return 0
 
 

@@ -53,17 +53,33 @@ def main() -> int:
   runner = family.from_random(config, dtype=args.dtype, seed=0, implementation="xla")
   jax.block_until_ready(runner.params)
   fp8 = args.dtype == "bfloat16"
-  cache = CacheConfig(block_size=args.block_size, layout="packed", kv_cache_dtype=args.dtype,
-                      indexer_cache_dtype="fp8" if fp8 else args.dtype, state_dtype=args.dtype,
-                      memory_bytes=int(args.memory_gib * 2**30), max_model_len=args.context + 64)
+  cache = CacheConfig(
+    block_size=args.block_size,
+    layout="packed",
+    kv_cache_dtype=args.dtype,
+    indexer_cache_dtype="fp8" if fp8 else args.dtype,
+    state_dtype=args.dtype,
+    memory_bytes=int(args.memory_gib * 2**30),
+    max_model_len=args.context + 64,
+  )
   rest = args.context % args.block_size or args.block_size
   buckets = tuple(sorted({min(rest, args.budget), args.budget}))
   disk_dir = args.disk_dir or tempfile.mkdtemp(prefix="jaxkv-disk-")
 
   def engine(tier: str) -> LLMEngine:
-    return LLMEngine(runner, EngineConfig(cache=cache, max_num_reqs=1, max_num_batched_tokens=args.budget,
-                                          buckets=buckets, enable_prefix_caching=True, kv_offload=tier,
-                                          kv_offload_bytes=64 << 30, kv_offload_dir=disk_dir))
+    return LLMEngine(
+      runner,
+      EngineConfig(
+        cache=cache,
+        max_num_reqs=1,
+        max_num_batched_tokens=args.budget,
+        buckets=buckets,
+        enable_prefix_caching=True,
+        kv_offload=tier,
+        kv_offload_bytes=64 << 30,
+        kv_offload_dir=disk_dir,
+      ),
+    )
 
   def first_token(e: LLMEngine, prompt) -> tuple[float, object]:
     """Seconds from admission to the first token read back, and the request."""
@@ -115,12 +131,23 @@ def main() -> int:
   rows = []
   for case, ts in times.items():
     med = float(np.median(ts))
-    row = {"case": case, "config": args.config, "context": args.context, "block_size": host.plan.block_size,
-           "ttft_s_median": med, "ttft_s_all": ts, "num_cached_tokens": cached[case][0],
-           "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}
+    row = {
+      "case": case,
+      "config": args.config,
+      "context": args.context,
+      "block_size": host.plan.block_size,
+      "ttft_s_median": med,
+      "ttft_s_all": ts,
+      "num_cached_tokens": cached[case][0],
+      "device": str(jax.devices()[0].device_kind),
+      "jax": jax.__version__,
+    }
     if case in loaded_blocks:
-      row |= {"loaded_blocks": loaded_blocks[case][0], "loaded_bytes": loaded_bytes[case][0],
-              "load_GBps": loaded_bytes[case][0] / med / 1e9}
+      row |= {
+        "loaded_blocks": loaded_blocks[case][0],
+        "loaded_bytes": loaded_bytes[case][0],
+        "load_GBps": loaded_bytes[case][0] / med / 1e9,
+      }
     rows.append(row)
     print(json.dumps(row), flush=True)
     if args.out:
@@ -131,8 +158,10 @@ def main() -> int:
   cold_s = rows[0]["ttft_s_median"]
   for r in rows:
     moved = f"{r['loaded_blocks']} | {r['loaded_bytes'] / 1e6:.1f}" if "loaded_bytes" in r else "- | -"
-    print(f"| {r['case']} | {r['ttft_s_median'] * 1e3:.1f} ms | {cold_s / r['ttft_s_median']:.1f}x | "
-          f"{r['num_cached_tokens']} | {moved} |")
+    print(
+      f"| {r['case']} | {r['ttft_s_median'] * 1e3:.1f} ms | {cold_s / r['ttft_s_median']:.1f}x | "
+      f"{r['num_cached_tokens']} | {moved} |"
+    )
   return 0
 
 

@@ -69,8 +69,13 @@ def time_top_logprobs(batch: int, vocab: int, iters: int) -> dict:
   by_sort = jax.jit(functools.partial(jax.lax.top_k, k=MAX_LOGPROBS))
   by_kernel = jax.jit(functools.partial(top_k_by_kernel, k=MAX_LOGPROBS))
   same = all(np.array_equal(a, b) for rows in (x, tied) for a, b in zip(by_sort(rows), by_kernel(rows)))
-  return {"batch": batch, "k": MAX_LOGPROBS, "sort_us": _median_us(by_sort, x, iters=iters),
-          "kernel_us": _median_us(by_kernel, x, iters=iters), "same_values_and_ids": same}
+  return {
+    "batch": batch,
+    "k": MAX_LOGPROBS,
+    "sort_us": _median_us(by_sort, x, iters=iters),
+    "kernel_us": _median_us(by_kernel, x, iters=iters),
+    "same_values_and_ids": same,
+  }
 
 
 def main() -> int:
@@ -106,8 +111,18 @@ def main() -> int:
     for r in top:
       print(f"| {r['batch']} | {r['sort_us']:.1f} | {r['kernel_us']:.1f} | {r['same_values_and_ids']} |")
   if args.out:
-    pathlib.Path(args.out).write_text(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                                                  "vocab": args.vocab, "rows": rows, "top_logprobs": top}, indent=1))
+    pathlib.Path(args.out).write_text(
+      json.dumps(
+        {
+          "device": jax.devices()[0].device_kind,
+          "jax": jax.__version__,
+          "vocab": args.vocab,
+          "rows": rows,
+          "top_logprobs": top,
+        },
+        indent=1,
+      )
+    )
   return 0
 
 

@@ -19,18 +19,19 @@ def _check_sibling_packages() -> None:
     if where is None or _os.path.realpath(where) != _os.path.realpath(root):
       found = "nothing" if spec is None else (spec.origin or "a namespace package")
       raise ImportError(
-          f"jaxkv needs its own top-level package {name!r} next to it in {root}, but importing {name!r} finds "
-          f"{found}: another package of that name shadows it. Install jaxkv in its own environment (as "
-          f"`sh .ci/venv.sh` does) or remove the other {name!r} from sys.path.")
+        f"jaxkv needs its own top-level package {name!r} next to it in {root}, but importing {name!r} finds "
+        f"{found}: another package of that name shadows it. Install jaxkv in its own environment (as "
+        f"`sh .ci/venv.sh` does) or remove the other {name!r} from sys.path."
+      )
 
 
 _check_sibling_packages()
 
 from jaxkv.attention_backend import (
-    AttentionBackend,
-    customize_attention_spec,
-    is_block_size_supported,
-    select_common_block_size,
+  AttentionBackend,
+  customize_attention_spec,
+  is_block_size_supported,
+  select_common_block_size,
 )
 from jaxkv.attention_group import AttentionGroup
 from jaxkv.block_copy import BlockRegion, BlockRegions, copy_blocks, gather_blocks, scatter_blocks
@@ -39,50 +40,55 @@ from jaxkv.block_table import BlockTable, MultiGroupBlockTable, get_block_table_
 from jaxkv.kernel_blocks import map_to_kernel_blocks
 from jaxkv.kernel_view import KernelView
 from jaxkv.kv_cache_config import (
-    LAYOUTS,
-    CacheConfig,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheLayer,
-    KVCacheTensor,
-    plan_kv_cache,
+  LAYOUTS,
+  CacheConfig,
+  KVCacheConfig,
+  KVCacheGroupSpec,
+  KVCacheLayer,
+  KVCacheTensor,
+  plan_kv_cache,
 )
 from jaxkv.kv_cache_report import render_plan
 from jaxkv.kv_cache_manager import (
-    CircularBufferManager,
-    FullAttentionManager,
-    KVCacheManager,
-    LinearAttentionStateManager,
-    SingleTypeKVCacheManager,
-    SlidingWindowManager,
-    hash_block_tokens,
+  CircularBufferManager,
+  FullAttentionManager,
+  KVCacheManager,
+  LinearAttentionStateManager,
+  SingleTypeKVCacheManager,
+  SlidingWindowManager,
+  hash_block_tokens,
 )
 from jaxkv.kv_cache_spec import (
-    AttentionSpec,
-    CircularBufferSpec,
-    FullAttentionSpec,
-    KVCacheSpec,
-    LinearAttentionStateSpec,
-    MLAAttentionSpec,
-    MultipleOf,
-    SlidingWindowSpec,
+  AttentionSpec,
+  CircularBufferSpec,
+  FullAttentionSpec,
+  KVCacheSpec,
+  LinearAttentionStateSpec,
+  MLAAttentionSpec,
+  MultipleOf,
+  SlidingWindowSpec,
 )
 from jaxkv.step_inputs import StepInputs
 from jaxkv.step_metadata import KernelTableGroup, SlotGroup, StepMetadata, StepMetadataSpec
 from jaxkv.utils import cdiv, round_up
 from jaxkv.slot_mapping import (
-    PAD_SLOT_ID,
-    compute_circular_slot_mapping,
-    compute_compressed_slot_mapping,
-    compute_slot_mapping,
-    req_indices_from_query_start_loc,
+  PAD_SLOT_ID,
+  compute_circular_slot_mapping,
+  compute_compressed_slot_mapping,
+  compute_slot_mapping,
+  req_indices_from_query_start_loc,
 )
 
 __version__ = "0.1.0"
 
 # vLLM's front door, imported on first use (it brings the engine and the model).
-_LAZY = {"LLM": "jaxkv.entrypoints.llm", "SamplingParams": "jaxkv.engine.request",
-         "RequestOutput": "jaxkv.outputs", "CompletionOutput": "jaxkv.outputs", "Logprob": "jaxkv.outputs"}
+_LAZY = {
+  "LLM": "jaxkv.entrypoints.llm",
+  "SamplingParams": "jaxkv.engine.request",
+  "RequestOutput": "jaxkv.outputs",
+  "CompletionOutput": "jaxkv.outputs",
+  "Logprob": "jaxkv.outputs",
+}
 
 
 def __getattr__(name: str):
@@ -92,69 +98,70 @@ def __getattr__(name: str):
     return getattr(importlib.import_module(_LAZY[name]), name)
   raise AttributeError(f"module 'jaxkv' has no attribute {name!r}")
 
+
 __all__ = [
-    # vLLM's offline API (jaxkv.entrypoints)
-    "LLM",
-    "SamplingParams",
-    "RequestOutput",
-    "CompletionOutput",
-    "Logprob",
-    # Specs
-    "KVCacheSpec",
-    "AttentionSpec",
-    "FullAttentionSpec",
-    "MLAAttentionSpec",
-    "SlidingWindowSpec",
-    "CircularBufferSpec",
-    "LinearAttentionStateSpec",
-    "MultipleOf",
-    # Backends and attention groups
-    "AttentionBackend",
-    "customize_attention_spec",
-    "is_block_size_supported",
-    "select_common_block_size",
-    "AttentionGroup",
-    "KernelView",
-    # Planner
-    "LAYOUTS",
-    "CacheConfig",
-    "KVCacheConfig",
-    "KVCacheGroupSpec",
-    "KVCacheLayer",
-    "KVCacheTensor",
-    "plan_kv_cache",
-    "render_plan",
-    # Host bookkeeping
-    "BlockPool",
-    "KVCacheBlock",
-    "KVCacheManager",
-    "SingleTypeKVCacheManager",
-    "FullAttentionManager",
-    "SlidingWindowManager",
-    "CircularBufferManager",
-    "LinearAttentionStateManager",
-    "hash_block_tokens",
-    "BlockTable",
-    "MultiGroupBlockTable",
-    "get_block_table_width",
-    # Jitted functions
-    "PAD_SLOT_ID",
-    "compute_slot_mapping",
-    "compute_circular_slot_mapping",
-    "compute_compressed_slot_mapping",
-    "req_indices_from_query_start_loc",
-    "map_to_kernel_blocks",
-    "StepInputs",
-    "StepMetadata",
-    "StepMetadataSpec",
-    "SlotGroup",
-    "KernelTableGroup",
-    # Whole manager blocks on the device (prefix-cache checkpoints, offload, swap: jaxkv.kv_offload)
-    "BlockRegion",
-    "BlockRegions",
-    "copy_blocks",
-    "gather_blocks",
-    "scatter_blocks",
-    "cdiv",
-    "round_up",
+  # vLLM's offline API (jaxkv.entrypoints)
+  "LLM",
+  "SamplingParams",
+  "RequestOutput",
+  "CompletionOutput",
+  "Logprob",
+  # Specs
+  "KVCacheSpec",
+  "AttentionSpec",
+  "FullAttentionSpec",
+  "MLAAttentionSpec",
+  "SlidingWindowSpec",
+  "CircularBufferSpec",
+  "LinearAttentionStateSpec",
+  "MultipleOf",
+  # Backends and attention groups
+  "AttentionBackend",
+  "customize_attention_spec",
+  "is_block_size_supported",
+  "select_common_block_size",
+  "AttentionGroup",
+  "KernelView",
+  # Planner
+  "LAYOUTS",
+  "CacheConfig",
+  "KVCacheConfig",
+  "KVCacheGroupSpec",
+  "KVCacheLayer",
+  "KVCacheTensor",
+  "plan_kv_cache",
+  "render_plan",
+  # Host bookkeeping
+  "BlockPool",
+  "KVCacheBlock",
+  "KVCacheManager",
+  "SingleTypeKVCacheManager",
+  "FullAttentionManager",
+  "SlidingWindowManager",
+  "CircularBufferManager",
+  "LinearAttentionStateManager",
+  "hash_block_tokens",
+  "BlockTable",
+  "MultiGroupBlockTable",
+  "get_block_table_width",
+  # Jitted functions
+  "PAD_SLOT_ID",
+  "compute_slot_mapping",
+  "compute_circular_slot_mapping",
+  "compute_compressed_slot_mapping",
+  "req_indices_from_query_start_loc",
+  "map_to_kernel_blocks",
+  "StepInputs",
+  "StepMetadata",
+  "StepMetadataSpec",
+  "SlotGroup",
+  "KernelTableGroup",
+  # Whole manager blocks on the device (prefix-cache checkpoints, offload, swap: jaxkv.kv_offload)
+  "BlockRegion",
+  "BlockRegions",
+  "copy_blocks",
+  "gather_blocks",
+  "scatter_blocks",
+  "cdiv",
+  "round_up",
 ]

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from jaxkv.kv_cache_spec import AttentionSpec, KVCacheSpec, MultipleOf
 
 __all__ = [
-    "AttentionBackend",
-    "customize_attention_spec",
-    "select_common_block_size",
-    "is_block_size_supported",
+  "AttentionBackend",
+  "customize_attention_spec",
+  "select_common_block_size",
+  "is_block_size_supported",
 ]
 
 
@@ -56,10 +56,10 @@ def customize_attention_spec(backend: AttentionBackend, spec: KVCacheSpec) -> KV
   """
   sizes = backend.supported_kernel_block_sizes
   if (
-      isinstance(spec, AttentionSpec)
-      and spec.block_stride_alignment is None
-      and sizes
-      and all(isinstance(s, int) for s in sizes)
+    isinstance(spec, AttentionSpec)
+    and spec.block_stride_alignment is None
+    and sizes
+    and all(isinstance(s, int) for s in sizes)
   ):
     return dataclasses.replace(spec, block_stride_alignment=MultipleOf(max(sizes)))
   return spec
@@ -77,17 +77,14 @@ def select_common_block_size(block_size: int, backends: Sequence[AttentionBacken
   if all(is_block_size_supported(block_size, b) for b in backends):
     return block_size
   candidates = sorted(
-      {s for b in backends for s in b.supported_kernel_block_sizes
-       if isinstance(s, int) and block_size % s == 0},
-      reverse=True,
+    {s for b in backends for s in b.supported_kernel_block_sizes if isinstance(s, int) and block_size % s == 0},
+    reverse=True,
   )
   for k in candidates:
     if all(is_block_size_supported(k, b) for b in backends):
       return k
-  listed = "; ".join(
-      f"{b.name}: {', '.join(str(s) for s in b.supported_kernel_block_sizes)}" for b in backends
-  )
+  listed = "; ".join(f"{b.name}: {', '.join(str(s) for s in b.supported_kernel_block_sizes)}" for b in backends)
   raise ValueError(
-      f"No common block size for {block_size} ({listed}). Choose a --block-size that every "
-      "backend supports or that is a multiple of one of their sizes."
+    f"No common block size for {block_size} ({listed}). Choose a --block-size that every "
+    "backend supports or that is a multiple of one of their sizes."
   )

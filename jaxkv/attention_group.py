@@ -47,13 +47,13 @@ class AttentionGroup:
 
   @classmethod
   def create(
-      cls,
-      backend: AttentionBackend,
-      layer_names: tuple[str, ...],
-      kv_cache_spec: KVCacheSpec,
-      kv_cache_group_id: int,
-      *,
-      kernel_block_size: int | None = None,
+    cls,
+    backend: AttentionBackend,
+    layer_names: tuple[str, ...],
+    kv_cache_spec: KVCacheSpec,
+    kv_cache_group_id: int,
+    *,
+    kernel_block_size: int | None = None,
   ) -> AttentionGroup:
     """Resolves the group's kernel block size.
 
@@ -71,9 +71,9 @@ class AttentionGroup:
     requested = bs if kernel_block_size is None else kernel_block_size
     if requested <= 0 or bs % requested:
       raise ValueError(
-          f"Kernel block size {requested} does not divide the KV cache block size {bs} "
-          f"(layers {', '.join(names[:3])}{'...' if len(names) > 3 else ''}). "
-          f"Use a kernel_block_size that divides {bs}."
+        f"Kernel block size {requested} does not divide the KV cache block size {bs} "
+        f"(layers {', '.join(names[:3])}{'...' if len(names) > 3 else ''}). "
+        f"Use a kernel_block_size that divides {bs}."
       )
     k = select_common_block_size(requested, [backend])
     return cls(backend, names, kv_cache_spec, kv_cache_group_id, None if k == bs else k)
@@ -99,14 +99,14 @@ class AttentionGroup:
     return self.kv_cache_spec.get_num_kernel_states(self.kernel_block_size or self.kv_cache_spec.block_size)
 
   def map_kv_cache_to_kernel_blocks(
-      self,
-      layer_name: str,
-      tensor: str,
-      tensor_shape: tuple[int, int],
-      *,
-      page_offset_bytes: int = 0,
-      block_stride_bytes: int | None = None,
-      attention_group_id: int = 0,
+    self,
+    layer_name: str,
+    tensor: str,
+    tensor_shape: tuple[int, int],
+    *,
+    page_offset_bytes: int = 0,
+    block_stride_bytes: int | None = None,
+    attention_group_id: int = 0,
   ) -> KernelView:
     """Views one layer's backing array as kernel pages (pure: the stride is in the returned view).
 
@@ -130,46 +130,66 @@ class AttentionGroup:
     bpk = self.blocks_per_kernel_block
     kbs = self.kernel_block_size
     common = dict(
-        layer_name=layer_name, tensor=tensor, kv_cache_group_id=self.kv_cache_group_id,
-        attention_group_id=attention_group_id, block_size=spec.block_size, kernel_block_size=kbs,
-        blocks_per_kernel_block=bpk, page_bytes=spec.page_size_bytes, kernel_page_bytes=page,
-        entries_per_page=self.states_per_kernel_page, tensor_offset_bytes=page_offset_bytes,
-        block_stride_bytes=row_bytes if block_stride_bytes is None else block_stride_bytes)
+      layer_name=layer_name,
+      tensor=tensor,
+      kv_cache_group_id=self.kv_cache_group_id,
+      attention_group_id=attention_group_id,
+      block_size=spec.block_size,
+      kernel_block_size=kbs,
+      blocks_per_kernel_block=bpk,
+      page_bytes=spec.page_size_bytes,
+      kernel_page_bytes=page,
+      entries_per_page=self.states_per_kernel_page,
+      tensor_offset_bytes=page_offset_bytes,
+      block_stride_bytes=row_bytes if block_stride_bytes is None else block_stride_bytes,
+    )
     if kbs is None or (row_bytes == page and page_offset_bytes == 0):
       # Unsplit, or a dense cache allocated already split: kernel block k is row k.
-      return KernelView(stride=bpk, row_bytes=row_bytes, base_row=0, offset_bytes=page_offset_bytes,
-                        tokens_per_row=kbs or spec.block_size, **common)
+      return KernelView(
+        stride=bpk,
+        row_bytes=row_bytes,
+        base_row=0,
+        offset_bytes=page_offset_bytes,
+        tokens_per_row=kbs or spec.block_size,
+        **common,
+      )
     padded = isinstance(spec, AttentionSpec) and spec.page_size_padded is not None
     # Token caches are written through manager-unit slots, which address page b*bpk + off//kbs;
     # only compressed caches (written from the kernel table itself) may be re-strided.
     if (
-        spec.tokens_per_state <= 1
-        or padded
-        or not isinstance(spec, AttentionSpec)
-        or spec.num_heads != 1
-        or row_bytes % page
-        or page_offset_bytes % page
+      spec.tokens_per_state <= 1
+      or padded
+      or not isinstance(spec, AttentionSpec)
+      or spec.num_heads != 1
+      or row_bytes % page
+      or page_offset_bytes % page
     ):
       raise ValueError(
-          f"{self.backend.name} needs {kbs}-token kernel blocks, which packed "
-          f"{spec.block_size}-token KV cache blocks of {layer_name} (rows of {row_bytes} "
-          f"bytes, page offset {page_offset_bytes}, kernel page {page} bytes, "
-          f"tokens_per_state {spec.tokens_per_state}) cannot be split into. Reduce block_size "
-          f"to {kbs} or use layout='dense'."
+        f"{self.backend.name} needs {kbs}-token kernel blocks, which packed "
+        f"{spec.block_size}-token KV cache blocks of {layer_name} (rows of {row_bytes} "
+        f"bytes, page offset {page_offset_bytes}, kernel page {page} bytes, "
+        f"tokens_per_state {spec.tokens_per_state}) cannot be split into. Reduce block_size "
+        f"to {kbs} or use layout='dense'."
       )
-    return KernelView(stride=row_bytes // page, row_bytes=page, base_row=page_offset_bytes // page, offset_bytes=0,
-                      tokens_per_row=kbs, **common)
+    return KernelView(
+      stride=row_bytes // page,
+      row_bytes=page,
+      base_row=page_offset_bytes // page,
+      offset_bytes=0,
+      tokens_per_row=kbs,
+      **common,
+    )
 
   def resolve(self, stride: int) -> AttentionGroup:
     """The group with its stride taken from the backing arrays (the planner calls this once)."""
     if stride < self.blocks_per_kernel_block:
-      raise ValueError(f"stride {stride} of {self.layer_names[0]} is below its {self.blocks_per_kernel_block} "
-                       "kernel blocks per block (a block's pages would overlap the next block's).")
+      raise ValueError(
+        f"stride {stride} of {self.layer_names[0]} is below its {self.blocks_per_kernel_block} "
+        "kernel blocks per block (a block's pages would overlap the next block's)."
+      )
     return dataclasses.replace(self, kernel_block_stride=stride)
 
-  def map_to_kernel_block_table(
-      self, block_table: jax.Array, kernel_block_table: jax.Array | None = None
-  ) -> jax.Array:
+  def map_to_kernel_block_table(self, block_table: jax.Array, kernel_block_table: jax.Array | None = None) -> jax.Array:
     """The group's block table in kernel blocks (the manager table itself without a split).
 
     ``kernel_block_table`` is the group's persistent buffer; it is donated and reused.
@@ -186,12 +206,11 @@ class AttentionGroup:
 
   def describe(self) -> dict:
     return {
-        "backend": str(self.backend),
-        "layers": list(self.layer_names),
-        "kv_cache_group_id": self.kv_cache_group_id,
-        "kernel_block_size": self.kernel_block_size,
-        "blocks_per_kernel_block": self.blocks_per_kernel_block,
-        "kernel_block_stride": self.stride,
-        "kernel_page_bytes": self.kernel_page_bytes,
+      "backend": str(self.backend),
+      "layers": list(self.layer_names),
+      "kv_cache_group_id": self.kv_cache_group_id,
+      "kernel_block_size": self.kernel_block_size,
+      "blocks_per_kernel_block": self.blocks_per_kernel_block,
+      "kernel_block_stride": self.stride,
+      "kernel_page_bytes": self.kernel_page_bytes,
     }
-

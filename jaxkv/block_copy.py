@@ -24,13 +24,13 @@ from jaxtyping import Array, Int, UInt8
 from jaxkv.kv_cache_config import KVCacheConfig
 
 __all__ = [
-    "BlockRegion",
-    "BlockRegions",
-    "copy_blocks",
-    "gather_blocks",
-    "scatter_blocks",
-    "copy_blocks_reference",
-    "pad_block_ids",
+  "BlockRegion",
+  "BlockRegions",
+  "copy_blocks",
+  "gather_blocks",
+  "scatter_blocks",
+  "copy_blocks_reference",
+  "pad_block_ids",
 ]
 
 
@@ -76,8 +76,10 @@ class BlockRegions:
       for v in views:
         n = shards[v.tensor]
         if n > 1 and not (v.tensor_offset_bytes == 0 and v.page_bytes == v.block_stride_bytes == v.row_bytes):
-          raise ValueError(f"{v.layer_name}: a cache split over devices must fill its rows (one manager page "
-                           f"per row), got page {v.page_bytes} B at {v.tensor_offset_bytes} of {v.row_bytes} B rows.")
+          raise ValueError(
+            f"{v.layer_name}: a cache split over devices must fill its rows (one manager page "
+            f"per row), got page {v.page_bytes} B at {v.tensor_offset_bytes} of {v.row_bytes} B rows."
+          )
         regions.append(BlockRegion(v.tensor, n * v.block_stride_bytes, n * v.tensor_offset_bytes, n * v.page_bytes))
       regions = tuple(regions)
     return cls(plan.num_blocks, regions)
@@ -97,13 +99,15 @@ def _check_ids(name: str, ids) -> None:
 
 
 @functools.partial(jax.jit, static_argnames="regions")
-def gather_blocks(caches: Mapping[str, jax.Array], block_ids: Int[Array, "N"], *,
-                  regions: BlockRegions) -> UInt8[Array, "N bytes_per_block"]:
+def gather_blocks(
+  caches: Mapping[str, jax.Array], block_ids: Int[Array, " N"], *, regions: BlockRegions
+) -> UInt8[Array, "N bytes_per_block"]:
   """The bytes of blocks ``block_ids`` (``-1``: the null block's), regions side by side."""
   _check_ids("block_ids", block_ids)
   ids = jnp.maximum(block_ids, 0)
-  return jnp.concatenate([_rows(caches, r, regions.num_blocks)[ids, r.offset:r.offset + r.size]
-                          for r in regions.regions], axis=1)
+  return jnp.concatenate(
+    [_rows(caches, r, regions.num_blocks)[ids, r.offset : r.offset + r.size] for r in regions.regions], axis=1
+  )
 
 
 def _scatter(caches, block_ids, data, regions: BlockRegions):
@@ -112,27 +116,35 @@ def _scatter(caches, block_ids, data, regions: BlockRegions):
   at = 0
   for r in regions.regions:
     rows = _rows(caches, r, regions.num_blocks)
-    rows = rows.at[ids, r.offset:r.offset + r.size].set(data[:, at:at + r.size], mode="drop")
+    rows = rows.at[ids, r.offset : r.offset + r.size].set(data[:, at : at + r.size], mode="drop")
     caches[r.tensor] = rows.reshape(caches[r.tensor].shape)
     at += r.size
   return caches
 
 
 @functools.partial(jax.jit, static_argnames="regions", donate_argnums=0)
-def scatter_blocks(caches: Mapping[str, jax.Array], block_ids: Int[Array, "N"],
-                   data: UInt8[Array, "N bytes_per_block"], *, regions: BlockRegions) -> dict[str, jax.Array]:
+def scatter_blocks(
+  caches: Mapping[str, jax.Array],
+  block_ids: Int[Array, " N"],
+  data: UInt8[Array, "N bytes_per_block"],
+  *,
+  regions: BlockRegions,
+) -> dict[str, jax.Array]:
   """Writes ``data`` (as ``gather_blocks`` returns it) into blocks ``block_ids`` (``-1``: skipped);
   the caches are donated and updated in place."""
   _check_ids("block_ids", block_ids)
   if data.shape != (block_ids.shape[0], regions.bytes_per_block) or data.dtype != jnp.uint8:
-    raise ValueError(f"data must be uint8[{block_ids.shape[0]}, {regions.bytes_per_block}] (one row per block id), "
-                     f"got {data.dtype}{list(data.shape)}.")
+    raise ValueError(
+      f"data must be uint8[{block_ids.shape[0]}, {regions.bytes_per_block}] (one row per block id), "
+      f"got {data.dtype}{list(data.shape)}."
+    )
   return _scatter(caches, block_ids, data, regions)
 
 
 @functools.partial(jax.jit, static_argnames="regions", donate_argnums=0)
-def copy_blocks(caches: Mapping[str, jax.Array], src: Int[Array, "N"], dst: Int[Array, "N"], *,
-                regions: BlockRegions) -> dict[str, jax.Array]:
+def copy_blocks(
+  caches: Mapping[str, jax.Array], src: Int[Array, " N"], dst: Int[Array, " N"], *, regions: BlockRegions
+) -> dict[str, jax.Array]:
   """Copies block ``src[i]`` to block ``dst[i]`` (``dst[i] = -1``: skipped). Every source is read
   before any destination is written; destinations must be distinct. Caches donated."""
   _check_ids("src", src)
@@ -142,7 +154,9 @@ def copy_blocks(caches: Mapping[str, jax.Array], src: Int[Array, "N"], dst: Int[
   return _scatter(caches, dst, gather_blocks(caches, src, regions=regions), regions)
 
 
-def copy_blocks_reference(caches: Mapping[str, np.ndarray], src, dst, *, regions: BlockRegions) -> dict[str, np.ndarray]:
+def copy_blocks_reference(
+  caches: Mapping[str, np.ndarray], src, dst, *, regions: BlockRegions
+) -> dict[str, np.ndarray]:
   """``copy_blocks`` in NumPy, pair by pair (tests)."""
   out = {k: np.array(v) for k, v in caches.items()}
   for s, d in zip(np.asarray(src), np.asarray(dst)):
@@ -150,8 +164,9 @@ def copy_blocks_reference(caches: Mapping[str, np.ndarray], src, dst, *, regions
       continue
     for r in regions.regions:
       rows = out[r.tensor].reshape(regions.num_blocks, r.block_stride)
-      rows[d, r.offset:r.offset + r.size] = np.asarray(caches[r.tensor]).reshape(
-          regions.num_blocks, r.block_stride)[max(s, 0), r.offset:r.offset + r.size]
+      rows[d, r.offset : r.offset + r.size] = np.asarray(caches[r.tensor]).reshape(regions.num_blocks, r.block_stride)[
+        max(s, 0), r.offset : r.offset + r.size
+      ]
   return out
 
 
@@ -161,5 +176,5 @@ def pad_block_ids(pairs: list[tuple[int, int]], size: int) -> tuple[np.ndarray, 
     raise ValueError(f"{len(pairs)} block copies exceed the {size} a call takes.")
   ids = np.full((2, size), -1, np.int32)
   if pairs:
-    ids[:, :len(pairs)] = np.asarray(pairs, np.int32).T
+    ids[:, : len(pairs)] = np.asarray(pairs, np.int32).T
   return ids[0], ids[1]

@@ -30,8 +30,8 @@ class BlockTable:
   def __init__(self, block_size: int, max_num_reqs: int, max_num_blocks_per_req: int, *, group_id: int = 0):
     if block_size <= 0 or max_num_reqs <= 0 or max_num_blocks_per_req <= 0:
       raise ValueError(
-          f"block_size {block_size}, max_num_reqs {max_num_reqs} and max_num_blocks_per_req "
-          f"{max_num_blocks_per_req} must all be positive."
+        f"block_size {block_size}, max_num_reqs {max_num_reqs} and max_num_blocks_per_req "
+        f"{max_num_blocks_per_req} must all be positive."
       )
     self.block_size = block_size
     self.group_id = group_id
@@ -56,15 +56,15 @@ class BlockTable:
     end = int(self.num_blocks_per_row[row]) + num_new
     if end > self.width:
       raise RuntimeError(
-          f"Block table write for request {row}, group {self.group_id} exceeds row capacity "
-          f"({end} > {self.width}). Raise max_model_len or free blocks first."
+        f"Block table write for request {row}, group {self.group_id} exceeds row capacity "
+        f"({end} > {self.width}). Raise max_model_len or free blocks first."
       )
     return end
 
   def append_row(self, block_ids: Sequence[int], row: int) -> None:
     """Appends manager block ids after the row's current ones."""
     end = self._check_append(row, len(block_ids))
-    self.block_table[row, end - len(block_ids):end] = block_ids
+    self.block_table[row, end - len(block_ids) : end] = block_ids
     self.num_blocks_per_row[row] = end
 
   def add_row(self, block_ids: Sequence[int], row: int) -> None:
@@ -104,7 +104,7 @@ class MultiGroupBlockTable:
     if len(block_sizes) != len(max_num_blocks):
       raise ValueError(f"{len(block_sizes)} block sizes but {len(max_num_blocks)} widths.")
     self.block_tables = [
-        BlockTable(bs, max_num_reqs, w, group_id=g) for g, (bs, w) in enumerate(zip(block_sizes, max_num_blocks))
+      BlockTable(bs, max_num_reqs, w, group_id=g) for g, (bs, w) in enumerate(zip(block_sizes, max_num_blocks))
     ]
 
   def __getitem__(self, group: int) -> BlockTable:

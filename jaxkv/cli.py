@@ -19,17 +19,33 @@ __all__ = ["main", "build_parser"]
 
 # Library parameter names -> the flags that set them, for error messages.
 _FLAGS = {
-    "memory_bytes": "--memory-gib", "max_model_len": "--max-model-len", "kernel_block_size": "--kernel-block-size",
-    "block_size": "--block-size", "layout='dense'": "--layout dense", "layout": "--layout",
-    "num_speculative_tokens": "--num-spec", "max_num_batched_tokens": "--max-num-batched-tokens",
-    "max_num_reqs": "--max-num-reqs", "kv_cache_dtype": "--kv-cache-dtype",
-    "indexer_cache_dtype": "--indexer-cache-dtype", "tensor_parallel_size": "--tensor-parallel-size",
-    "data_parallel_size": "--data-parallel-size", "enable_expert_parallel": "--enable-expert-parallel",
-    "enable_prefix_caching": "--enable-prefix-caching",
-    "kv_offload_dir": "--kv-offload-dir", "kv_offload": "--kv-offload", "preemption_mode": "--preemption-mode",
-    "enable_prefix_caching=True": "--enable-prefix-caching", "kv_offload='host'": "--kv-offload host",
-    "kv_offload='disk'": "--kv-offload disk", "max_tokens": "--max-tokens", "temperature": "--temperature",
-    "top_p": "--top-p", "top_k": "--top-k", "logprobs": "--logprobs", "seed": "--seed",
+  "memory_bytes": "--memory-gib",
+  "max_model_len": "--max-model-len",
+  "kernel_block_size": "--kernel-block-size",
+  "block_size": "--block-size",
+  "layout='dense'": "--layout dense",
+  "layout": "--layout",
+  "num_speculative_tokens": "--num-spec",
+  "max_num_batched_tokens": "--max-num-batched-tokens",
+  "max_num_reqs": "--max-num-reqs",
+  "kv_cache_dtype": "--kv-cache-dtype",
+  "indexer_cache_dtype": "--indexer-cache-dtype",
+  "tensor_parallel_size": "--tensor-parallel-size",
+  "data_parallel_size": "--data-parallel-size",
+  "enable_expert_parallel": "--enable-expert-parallel",
+  "enable_prefix_caching": "--enable-prefix-caching",
+  "kv_offload_dir": "--kv-offload-dir",
+  "kv_offload": "--kv-offload",
+  "preemption_mode": "--preemption-mode",
+  "enable_prefix_caching=True": "--enable-prefix-caching",
+  "kv_offload='host'": "--kv-offload host",
+  "kv_offload='disk'": "--kv-offload disk",
+  "max_tokens": "--max-tokens",
+  "temperature": "--temperature",
+  "top_p": "--top-p",
+  "top_k": "--top-k",
+  "logprobs": "--logprobs",
+  "seed": "--seed",
 }
 # "memory_bytes N (…)" in a library message: the flag's own unit, rounded up so that it suffices.
 _MEMORY_RE = re.compile(r"\bmemory_bytes( to at least)? ([\d,]+) \([^)]*\)")
@@ -39,6 +55,7 @@ _FLAG_RE = re.compile(r"\b(" + "|".join(re.escape(k) for k in sorted(_FLAGS, key
 def _with_flags(message: str) -> str:
   """A library error, its parameter names replaced by the command line's flags (and byte counts
   of the memory budget by --memory-gib values)."""
+
   def gib(m):
     n = int(m.group(2).replace(",", "")) / 2**30
     return f"--memory-gib{m.group(1) or ''} {math.ceil(n * 1e4) / 1e4:g}"
@@ -81,10 +98,16 @@ def _auto_dtype(args, config) -> str:
 def cache_config_from_args(args, config) -> CacheConfig:
   """The one options object of ``inspect``, ``generate`` and ``bench``."""
   return CacheConfig(
-      block_size=args.block_size, kernel_block_size=args.kernel_block_size, layout=args.layout,
-      kv_cache_dtype=args.kv_cache_dtype, indexer_cache_dtype=args.indexer_cache_dtype, state_dtype=args.dtype,
-      num_speculative_tokens=args.num_spec, memory_bytes=int(args.memory_gib * 2**30),
-      max_model_len=args.max_model_len or config.max_position_embeddings)
+    block_size=args.block_size,
+    kernel_block_size=args.kernel_block_size,
+    layout=args.layout,
+    kv_cache_dtype=args.kv_cache_dtype,
+    indexer_cache_dtype=args.indexer_cache_dtype,
+    state_dtype=args.dtype,
+    num_speculative_tokens=args.num_spec,
+    memory_bytes=int(args.memory_gib * 2**30),
+    max_model_len=args.max_model_len or config.max_position_embeddings,
+  )
 
 
 def plan_from_args(args):
@@ -103,28 +126,41 @@ def _per_device(args, family, config, cache) -> dict | None:
   r = family.per_device(config, cache, tensor_parallel_size=tp, data_parallel_size=dp, expert_parallel=ep)
   p = r["plan"]
   cache_bytes = sum(t.size_bytes for t in p.tensors)
-  caches = ("KDA states split by head, latents and pooled keys whole" if any(t.shards > 1 for t in p.tensors)
-            else "every cache whole on each device")
-  return {"tensor_parallel_size": tp, "data_parallel_size": dp, "expert_parallel": ep, "devices": tp * dp,
-          "caches": caches,
-          "weight_bytes_bf16": r["weight_bytes_bf16"], "weight_bytes_fp8": r["weight_bytes_fp8"],
-          "kv_cache_bytes": cache_bytes, "bytes_per_block": p.bytes_per_block,
-          "token_capacity_per_replica": p.token_capacity,
-          "max_num_full_length_requests_per_replica": p.max_num_full_length_requests,
-          "total_bytes_bf16": r["weight_bytes_bf16"] + cache_bytes, "total_bytes_fp8": r["weight_bytes_fp8"] + cache_bytes}
+  caches = (
+    "KDA states split by head, latents and pooled keys whole"
+    if any(t.shards > 1 for t in p.tensors)
+    else "every cache whole on each device"
+  )
+  return {
+    "tensor_parallel_size": tp,
+    "data_parallel_size": dp,
+    "expert_parallel": ep,
+    "devices": tp * dp,
+    "caches": caches,
+    "weight_bytes_bf16": r["weight_bytes_bf16"],
+    "weight_bytes_fp8": r["weight_bytes_fp8"],
+    "kv_cache_bytes": cache_bytes,
+    "bytes_per_block": p.bytes_per_block,
+    "token_capacity_per_replica": p.token_capacity,
+    "max_num_full_length_requests_per_replica": p.max_num_full_length_requests,
+    "total_bytes_bf16": r["weight_bytes_bf16"] + cache_bytes,
+    "total_bytes_fp8": r["weight_bytes_fp8"] + cache_bytes,
+  }
 
 
 def _render_per_device(d: dict) -> str:
   gib = lambda n: f"{n / 2**30:,.2f} GiB"
   ep = "on" if d["expert_parallel"] else "off"
-  return (f"\nPer device, {d['devices']} devices (tensor {d['tensor_parallel_size']} x data "
-          f"{d['data_parallel_size']}, expert parallel {ep}):\n"
-          f"  weights              {gib(d['weight_bytes_bf16'])} bf16, {gib(d['weight_bytes_fp8'])} fp8\n"
-          f"  KV cache             {gib(d['kv_cache_bytes'])} ({d['bytes_per_block']:,} B per block; {d['caches']})\n"
-          f"  token capacity       {d['token_capacity_per_replica']:,} tokens per data-parallel replica "
-          f"({d['max_num_full_length_requests_per_replica']} full-length requests)\n"
-          f"  needs                {gib(d['total_bytes_bf16'])} per device with bf16 weights, "
-          f"{gib(d['total_bytes_fp8'])} with fp8\n")
+  return (
+    f"\nPer device, {d['devices']} devices (tensor {d['tensor_parallel_size']} x data "
+    f"{d['data_parallel_size']}, expert parallel {ep}):\n"
+    f"  weights              {gib(d['weight_bytes_bf16'])} bf16, {gib(d['weight_bytes_fp8'])} fp8\n"
+    f"  KV cache             {gib(d['kv_cache_bytes'])} ({d['bytes_per_block']:,} B per block; {d['caches']})\n"
+    f"  token capacity       {d['token_capacity_per_replica']:,} tokens per data-parallel replica "
+    f"({d['max_num_full_length_requests_per_replica']} full-length requests)\n"
+    f"  needs                {gib(d['total_bytes_bf16'])} per device with bf16 weights, "
+    f"{gib(d['total_bytes_fp8'])} with fp8\n"
+  )
 
 
 def cmd_inspect(args) -> int:
@@ -137,9 +173,20 @@ def cmd_inspect(args) -> int:
   family, config, cache, plan = plan_from_args(args)
   per_device = _per_device(args, family, config, cache)
   if args.json:
-    json.dump({"model": {"num_hidden_layers": config.num_hidden_layers, "dsa_layers": list(config.dsa_layers),
-                         "kda_layers": list(config.kda_layers), "index_kpool": config.index_kpool},
-               "plan": plan.describe(), **({"per_device": per_device} if per_device else {})}, sys.stdout, indent=1)
+    json.dump(
+      {
+        "model": {
+          "num_hidden_layers": config.num_hidden_layers,
+          "dsa_layers": list(config.dsa_layers),
+          "kda_layers": list(config.kda_layers),
+          "index_kpool": config.index_kpool,
+        },
+        "plan": plan.describe(),
+        **({"per_device": per_device} if per_device else {}),
+      },
+      sys.stdout,
+      indent=1,
+    )
     sys.stdout.write("\n")
   else:
     sys.stdout.write(render_plan(plan, family.describe(config, cache)))
@@ -160,7 +207,9 @@ def cmd_inspect(args) -> int:
 def _check_engine_flags(args, config) -> None:
   """Flags that would be ignored, or values past the model, refused before anything is built."""
   if args.swap_space is not None and args.preemption_mode != "swap":
-    raise ValueError(f"--swap-space {args.swap_space:g} applies to --preemption-mode swap; add it, or drop --swap-space.")
+    raise ValueError(
+      f"--swap-space {args.swap_space:g} applies to --preemption-mode swap; add it, or drop --swap-space."
+    )
   if args.kv_offload_dir is not None and args.kv_offload != "disk":
     raise ValueError(f"--kv-offload-dir {args.kv_offload_dir} is the disk tier's directory: add --kv-offload disk.")
   if args.kv_offload_gib is not None and args.kv_offload is None:
@@ -177,27 +226,42 @@ def _engine(args, family, config, max_len: int):
   _check_engine_flags(args, config)
   cache = dataclasses.replace(cache_config_from_args(args, config), max_model_len=max_len)
   # Checked before anything is built: a bad combination of flags fails in milliseconds.
-  engine_config = EngineConfig(cache=cache, max_num_reqs=args.max_num_reqs,
-                               max_num_batched_tokens=args.max_num_batched_tokens, buckets=args.buckets,
-                               enable_prefix_caching=args.enable_prefix_caching, kv_offload=args.kv_offload,
-                               kv_offload_bytes=int((args.kv_offload_gib or 4.0) * 2**30),
-                               kv_offload_dir=args.kv_offload_dir, preemption_mode=args.preemption_mode,
-                               swap_space_bytes=int((4.0 if args.swap_space is None else args.swap_space) * 2**30),
-                               tensor_parallel_size=args.tensor_parallel_size,
-                               data_parallel_size=args.data_parallel_size,
-                               enable_expert_parallel=args.enable_expert_parallel)
+  engine_config = EngineConfig(
+    cache=cache,
+    max_num_reqs=args.max_num_reqs,
+    max_num_batched_tokens=args.max_num_batched_tokens,
+    buckets=args.buckets,
+    enable_prefix_caching=args.enable_prefix_caching,
+    kv_offload=args.kv_offload,
+    kv_offload_bytes=int((args.kv_offload_gib or 4.0) * 2**30),
+    kv_offload_dir=args.kv_offload_dir,
+    preemption_mode=args.preemption_mode,
+    swap_space_bytes=int((4.0 if args.swap_space is None else args.swap_space) * 2**30),
+    tensor_parallel_size=args.tensor_parallel_size,
+    data_parallel_size=args.data_parallel_size,
+    enable_expert_parallel=args.enable_expert_parallel,
+  )
   mesh = None
   if engine_config.num_devices > 1:
     from jaxkv.engine import make_mesh
 
     mesh = make_mesh(args.tensor_parallel_size, args.data_parallel_size)  # the engine's mesh: enough devices?
-    family.check_parallel(config, tensor_parallel_size=args.tensor_parallel_size,
-                          data_parallel_size=args.data_parallel_size, expert_parallel=args.enable_expert_parallel)
+    family.check_parallel(
+      config,
+      tensor_parallel_size=args.tensor_parallel_size,
+      data_parallel_size=args.data_parallel_size,
+      expert_parallel=args.enable_expert_parallel,
+    )
   _check_fits(args, family, config)
   if args.model_path:
-    runner = family.from_pretrained(args.model_path, dtype=args.dtype, implementation=args.implementation,
-                                    check_weights=args.check_weights, mesh=mesh,
-                                    expert_parallel=args.enable_expert_parallel)  # by shard on a mesh
+    runner = family.from_pretrained(
+      args.model_path,
+      dtype=args.dtype,
+      implementation=args.implementation,
+      check_weights=args.check_weights,
+      mesh=mesh,
+      expert_parallel=args.enable_expert_parallel,
+    )  # by shard on a mesh
   else:
     runner = family.from_random(config, dtype=args.dtype, seed=args.weights_seed, implementation=args.implementation)
   engine = LLMEngine(runner, engine_config)
@@ -225,10 +289,12 @@ def _check_fits(args, family, config) -> None:
   need = weights + int(args.memory_gib * 2**30)
   have, where = _device_memory_bytes()
   if need > have and not args.force:
-    raise ValueError(f"the model needs {weights / 2**30:.1f} GiB of {args.dtype} weights + {args.memory_gib:g} GiB of "
-                     f"KV cache = {need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB of {where}. Use a "
-                     f"smaller config (--config glm-5.3-flash-tiny or -slice4), --dtype bfloat16, a smaller "
-                     f"--memory-gib, or --force to try anyway.")
+    raise ValueError(
+      f"the model needs {weights / 2**30:.1f} GiB of {args.dtype} weights + {args.memory_gib:g} GiB of "
+      f"KV cache = {need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB of {where}. Use a "
+      f"smaller config (--config glm-5.3-flash-tiny or -slice4), --dtype bfloat16, a smaller "
+      f"--memory-gib, or --force to try anyway."
+    )
 
 
 def _tokenizer(args):
@@ -259,10 +325,17 @@ def _prompts(args, config, tokenizer) -> list[list[int]]:
       data = json.loads(path.read_text())
     except ValueError:
       data = None
-    if not isinstance(data, list) or not data or not all(
-        isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in data):
-      raise ValueError(f"--batch-file {args.batch_file} must be a non-empty JSON list of non-empty token-id lists, "
-                       f"e.g. [[1, 2, 3], [4, 5]].")
+    if (
+      not isinstance(data, list)
+      or not data
+      or not all(
+        isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in data
+      )
+    ):
+      raise ValueError(
+        f"--batch-file {args.batch_file} must be a non-empty JSON list of non-empty token-id lists, "
+        f"e.g. [[1, 2, 3], [4, 5]]."
+      )
     prompts = data
   else:
     ids = "1,2,3,4,5,6,7,8,9,10,11,12,13" if args.prompt_ids is None else args.prompt_ids
@@ -286,37 +359,67 @@ def cmd_generate(args) -> int:
   eos = tuple(dict.fromkeys(tuple(config.eos_token_id) + (tokenizer.eos_token_ids if tokenizer else ())))
   if args.stop_at_eos and not eos:
     raise ValueError("--stop-at-eos: the model's config and tokenizer name no end-of-sequence id; drop the flag.")
-  sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, logprobs=args.logprobs,
-                            stop_token_ids=eos if args.stop_at_eos else ())
-  max_len = args.max_model_len or min(config.max_position_embeddings,
-                                      max(len(p) for p in prompts) + args.max_tokens)
+  sampling = SamplingParams(
+    max_tokens=args.max_tokens,
+    temperature=args.temperature,
+    top_p=args.top_p,
+    top_k=args.top_k,
+    seed=args.seed,
+    logprobs=args.logprobs,
+    stop_token_ids=eos if args.stop_at_eos else (),
+  )
+  max_len = args.max_model_len or min(config.max_position_embeddings, max(len(p) for p in prompts) + args.max_tokens)
   engine = _engine(args, family, config, max_len)
   import jax
 
   plan = engine.plan
-  print(f"jaxkv generate: {args.model_path or args.config} ({args.dtype}) on {jax.devices()[0].device_kind}; "
-        f"{plan.layout} cache, {plan.num_blocks} blocks of {plan.block_size} tokens "
-        f"({plan.num_blocks * plan.bytes_per_block / 2**20:,.1f} MiB), {len(prompts)} requests", file=sys.stderr)
-  print("jaxkv generate: the step compiles on first use of each token bucket (a GPU takes a minute per bucket at "
-        "the released dimensions)...", file=sys.stderr, flush=True)
+  print(
+    f"jaxkv generate: {args.model_path or args.config} ({args.dtype}) on {jax.devices()[0].device_kind}; "
+    f"{plan.layout} cache, {plan.num_blocks} blocks of {plan.block_size} tokens "
+    f"({plan.num_blocks * plan.bytes_per_block / 2**20:,.1f} MiB), {len(prompts)} requests",
+    file=sys.stderr,
+  )
+  print(
+    "jaxkv generate: the step compiles on first use of each token bucket (a GPU takes a minute per bucket at "
+    "the released dimensions)...",
+    file=sys.stderr,
+    flush=True,
+  )
   progress = _progress(len(prompts) * args.max_tokens)
   reqs = engine.generate(prompts, sampling, progress=progress)
   generated = sum(len(r.output_token_ids) for r in reqs)
   serving = progress.seconds - progress.compile_seconds
-  print(f"jaxkv generate: compiled {engine.num_compilations} step shapes in {progress.compile_seconds:.1f} s; "
-        f"{generated} tokens in {engine.num_steps} steps, {serving:.2f} s without compiling: "
-        f"{generated / max(serving, 1e-9):,.1f} tokens/s", file=sys.stderr)
+  print(
+    f"jaxkv generate: compiled {engine.num_compilations} step shapes in {progress.compile_seconds:.1f} s; "
+    f"{generated} tokens in {engine.num_steps} steps, {serving:.2f} s without compiling: "
+    f"{generated / max(serving, 1e-9):,.1f} tokens/s",
+    file=sys.stderr,
+  )
   if args.json:
     text = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else (lambda ids: None)
-    json.dump({"requests": [{"prompt_token_ids": r.prompt_token_ids, "output_token_ids": r.output_token_ids,
-                             "text": text(r.output_token_ids),
-                             "finish_reason": r.finish_reason, "num_cached_tokens": r.num_cached_tokens,
-                             "logprobs": [[[i, v] for i, v in step] for step in r.output_logprobs]} for r in reqs],
-               "steps": engine.num_steps, "compilations": engine.num_compilations,
-               "preemptions": engine.scheduler.num_preemptions, "num_spec": args.num_spec,
-               "draft_tokens": engine.num_draft_tokens, "accepted_tokens": engine.num_accepted_tokens,
-               **({"acceptance_note": _RANDOM_DRAFTS} if args.num_spec and not args.model_path else {})}, sys.stdout)
+    json.dump(
+      {
+        "requests": [
+          {
+            "prompt_token_ids": r.prompt_token_ids,
+            "output_token_ids": r.output_token_ids,
+            "text": text(r.output_token_ids),
+            "finish_reason": r.finish_reason,
+            "num_cached_tokens": r.num_cached_tokens,
+            "logprobs": [[[i, v] for i, v in step] for step in r.output_logprobs],
+          }
+          for r in reqs
+        ],
+        "steps": engine.num_steps,
+        "compilations": engine.num_compilations,
+        "preemptions": engine.scheduler.num_preemptions,
+        "num_spec": args.num_spec,
+        "draft_tokens": engine.num_draft_tokens,
+        "accepted_tokens": engine.num_accepted_tokens,
+        **({"acceptance_note": _RANDOM_DRAFTS} if args.num_spec and not args.model_path else {}),
+      },
+      sys.stdout,
+    )
     sys.stdout.write("\n")
   else:
     for i, r in enumerate(reqs):
@@ -328,8 +431,10 @@ def cmd_generate(args) -> int:
         if lps:
           print(f"     {step}: " + ", ".join(f"{t}:{v:.4f}" for t, v in lps))
     if args.num_spec:
-      print(f"drafts: {engine.num_accepted_tokens}/{engine.num_draft_tokens} accepted in {engine.num_steps} steps"
-            + ("" if args.model_path else f" ({_RANDOM_DRAFTS})"))
+      print(
+        f"drafts: {engine.num_accepted_tokens}/{engine.num_draft_tokens} accepted in {engine.num_steps} steps"
+        + ("" if args.model_path else f" ({_RANDOM_DRAFTS})")
+      )
   return 0
 
 
@@ -367,8 +472,10 @@ class _progress:
     return self.last - self.start
 
 
-_RANDOM_DRAFTS = ("random weights: the MTP layer's drafts are unrelated to the model's tokens, so almost none are "
-                  "accepted; acceptance means something with --model-path and a trained checkpoint")
+_RANDOM_DRAFTS = (
+  "random weights: the MTP layer's drafts are unrelated to the model's tokens, so almost none are "
+  "accepted; acceptance means something with --model-path and a trained checkpoint"
+)
 
 
 def cmd_bench(args) -> int:
@@ -378,25 +485,41 @@ def cmd_bench(args) -> int:
 
   family, config = _model_config(args)
   if args.batch > args.max_num_reqs:
-    raise ValueError(f"--batch {args.batch} requests cannot decode together on --max-num-reqs {args.max_num_reqs} "
-                     f"rows: raise --max-num-reqs to {args.batch} or lower --batch.")
+    raise ValueError(
+      f"--batch {args.batch} requests cannot decode together on --max-num-reqs {args.max_num_reqs} "
+      f"rows: raise --max-num-reqs to {args.batch} or lower --batch."
+    )
   if args.context + args.steps > config.max_position_embeddings:
-    raise ValueError(f"--context {args.context} + --steps {args.steps} tokens exceed the model's "
-                     f"{config.max_position_embeddings} positions.")
+    raise ValueError(
+      f"--context {args.context} + --steps {args.steps} tokens exceed the model's "
+      f"{config.max_position_embeddings} positions."
+    )
   rng = np.random.default_rng(args.weights_seed)
   prompts = [list(rng.integers(1, config.vocab_size, args.context)) for _ in range(args.batch)]
   profile_steps = 8 if args.profile else 0
-  new_tokens = decode_new_tokens(args.batch, args.context, args.max_num_batched_tokens, args.steps, profile_steps,
-                                 args.num_spec)
+  new_tokens = decode_new_tokens(
+    args.batch, args.context, args.max_num_batched_tokens, args.steps, profile_steps, args.num_spec
+  )
   engine = _engine(args, family, config, args.context + new_tokens)
-  print(f"jaxkv bench: compiling, prefilling {args.batch} x {args.context} tokens, then timing {args.steps} decode "
-        f"steps...", file=sys.stderr, flush=True)
-  result = {"config": "checkpoint" if args.model_path else args.config,
-            **benchmark_decode(engine, prompts, steps=args.steps, new_tokens=new_tokens, profile_dir=args.profile,
-                               profile_steps=profile_steps),
-            "implementation": engine.runner.implementation, "layout": args.layout, "block_size": args.block_size,
-            "dtype": args.dtype, "tensor_parallel_size": args.tensor_parallel_size,
-            "data_parallel_size": args.data_parallel_size, "enable_expert_parallel": args.enable_expert_parallel}
+  print(
+    f"jaxkv bench: compiling, prefilling {args.batch} x {args.context} tokens, then timing {args.steps} decode "
+    f"steps...",
+    file=sys.stderr,
+    flush=True,
+  )
+  result = {
+    "config": "checkpoint" if args.model_path else args.config,
+    **benchmark_decode(
+      engine, prompts, steps=args.steps, new_tokens=new_tokens, profile_dir=args.profile, profile_steps=profile_steps
+    ),
+    "implementation": engine.runner.implementation,
+    "layout": args.layout,
+    "block_size": args.block_size,
+    "dtype": args.dtype,
+    "tensor_parallel_size": args.tensor_parallel_size,
+    "data_parallel_size": args.data_parallel_size,
+    "enable_expert_parallel": args.enable_expert_parallel,
+  }
   if args.num_spec and not args.model_path:
     result["acceptance_note"] = _RANDOM_DRAFTS
   if args.json:
@@ -406,9 +529,11 @@ def cmd_bench(args) -> int:
   print("\n".join(f"{k:28s} {v}" for k, v in result.items()))
   for what, p in (("decode", profile), ("prefill", profile and profile.pop("prefill"))):
     if p:
-      print(f"\n{what} profile ({p['device']}, {p['steps']} steps): {p['busy_ms_per_step']:.3f} ms busy of "
-            f"{p['span_ms_per_step']:.3f} ms per step ({p['idle_fraction']:.0%} idle), "
-            f"{p['kernels_per_step']:.0f} kernels per step; heaviest:")
+      print(
+        f"\n{what} profile ({p['device']}, {p['steps']} steps): {p['busy_ms_per_step']:.3f} ms busy of "
+        f"{p['span_ms_per_step']:.3f} ms per step ({p['idle_fraction']:.0%} idle), "
+        f"{p['kernels_per_step']:.0f} kernels per step; heaviest:"
+      )
       for k in p["top"]:
         print(f"  {k['ms_per_step']:9.3f} ms {k['share']:6.1%} x{k['calls_per_step']:<5.0f} {k['name']}")
       print("  the device waited (per step) between:")
@@ -426,12 +551,16 @@ def cmd_serve(args) -> int:
   engine = _engine(args, family, config, args.max_model_len or config.max_position_embeddings)
   name = args.served_model_name or args.model_path or args.config
   llm = LLM.from_engine(engine, tokenizer=tokenizer, model=name)
-  print(f"jaxkv serve: {name} ({args.dtype}) on http://{args.host}:{args.port}/v1 "
-        f"(text: {'yes' if tokenizer else 'no tokenizer.json, token ids only'}); compiling...", file=sys.stderr)
+  print(
+    f"jaxkv serve: {name} ({args.dtype}) on http://{args.host}:{args.port}/v1 "
+    f"(text: {'yes' if tokenizer else 'no tokenizer.json, token ids only'}); compiling...",
+    file=sys.stderr,
+  )
   t0 = time.perf_counter()
   engine.warmup()
-  print(f"jaxkv serve: compiled {engine.num_compilations} step shapes in {time.perf_counter() - t0:.1f} s",
-        file=sys.stderr)
+  print(
+    f"jaxkv serve: compiled {engine.num_compilations} step shapes in {time.perf_counter() - t0:.1f} s", file=sys.stderr
+  )
   serve(llm, host=args.host, port=args.port, max_pending=args.max_pending, model_name=name)
   return 0
 
@@ -477,46 +606,82 @@ def _int_list(text: str) -> tuple[int, ...]:
 # The cache options of every command, from one place. inspect plans the released model (its
 # defaults are a GPU's); generate and bench run the embedded tiny model on any machine.
 _CACHE_DEFAULTS = {
-    "inspect": dict(block_size=1024, memory_gib=80.0, dtype="bfloat16", kv_cache_dtype="bfloat16",
-                    indexer_cache_dtype="fp8"),
-    "engine": dict(block_size=256, memory_gib=0.0625, dtype="auto", kv_cache_dtype="auto",
-                   indexer_cache_dtype="auto"),
+  "inspect": dict(
+    block_size=1024, memory_gib=80.0, dtype="bfloat16", kv_cache_dtype="bfloat16", indexer_cache_dtype="fp8"
+  ),
+  "engine": dict(block_size=256, memory_gib=0.0625, dtype="auto", kv_cache_dtype="auto", indexer_cache_dtype="auto"),
 }
 _CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8")
 
 
 def _add_cache_args(p: argparse.ArgumentParser, kind: str) -> None:
   d = _CACHE_DEFAULTS[kind]
-  p.add_argument("--block-size", type=_positive, default=d["block_size"],
-                 help="KV-cache manager block size in tokens (rounded up to what every group needs)")
-  p.add_argument("--kernel-block-size", type=_positive, default=None,
-                 help="split token caches into kernel blocks of this many tokens (dense layout; default: no split)")
-  p.add_argument("--layout", choices=("packed", "dense"), default="packed",
-                 help="packed: one arena row per block holds every layer's pages; dense: one array per layer")
+  p.add_argument(
+    "--block-size",
+    type=_positive,
+    default=d["block_size"],
+    help="KV-cache manager block size in tokens (rounded up to what every group needs)",
+  )
+  p.add_argument(
+    "--kernel-block-size",
+    type=_positive,
+    default=None,
+    help="split token caches into kernel blocks of this many tokens (dense layout; default: no split)",
+  )
+  p.add_argument(
+    "--layout",
+    choices=("packed", "dense"),
+    default="packed",
+    help="packed: one arena row per block holds every layer's pages; dense: one array per layer",
+  )
   p.add_argument("--memory-gib", type=float, default=d["memory_gib"], help="KV-cache memory budget in GiB")
   p.add_argument("--max-model-len", type=_positive, default=None, help="longest request (default: the model's maximum)")
-  p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=d["dtype"],
-                 help="model dtype: weights, tail rings and KDA conv windows; auto: the checkpoint's dtype (float16 "
-                      "served as bfloat16), for built-in random weights bfloat16 on a GPU and float32 on the CPU")
-  p.add_argument("--kv-cache-dtype", choices=_CACHE_DTYPES, default=d["kv_cache_dtype"],
-                 help="MLA latent cache; auto: the model dtype")
-  p.add_argument("--indexer-cache-dtype", choices=_CACHE_DTYPES, default=d["indexer_cache_dtype"],
-                 help="pooled indexer key cache; auto: the model dtype")
-  p.add_argument("--num-spec", type=int, default=0,
-                 help="MTP speculative tokens per step (0: off): adds the MTP layer's caches, widens the tail "
-                      "ring, gives each KDA state one slot per draft")
+  p.add_argument(
+    "--dtype",
+    choices=("auto", "float32", "bfloat16"),
+    default=d["dtype"],
+    help="model dtype: weights, tail rings and KDA conv windows; auto: the checkpoint's dtype (float16 "
+    "served as bfloat16), for built-in random weights bfloat16 on a GPU and float32 on the CPU",
+  )
+  p.add_argument(
+    "--kv-cache-dtype",
+    choices=_CACHE_DTYPES,
+    default=d["kv_cache_dtype"],
+    help="MLA latent cache; auto: the model dtype",
+  )
+  p.add_argument(
+    "--indexer-cache-dtype",
+    choices=_CACHE_DTYPES,
+    default=d["indexer_cache_dtype"],
+    help="pooled indexer key cache; auto: the model dtype",
+  )
+  p.add_argument(
+    "--num-spec",
+    type=int,
+    default=0,
+    help="MTP speculative tokens per step (0: off): adds the MTP layer's caches, widens the tail "
+    "ring, gives each KDA state one slot per draft",
+  )
 
 
 def _add_parallel_args(p: argparse.ArgumentParser, kind: str) -> None:
-  tp_help = {"inspect": "also show one device's weights, cache and capacity with heads split over this many devices",
-             "engine": "run the step on this many devices, heads, MLP widths and vocabulary split over them "
-                       "(docs/sharding.md)"}[kind]
+  tp_help = {
+    "inspect": "also show one device's weights, cache and capacity with heads split over this many devices",
+    "engine": "run the step on this many devices, heads, MLP widths and vocabulary split over them (docs/sharding.md)",
+  }[kind]
   p.add_argument("--tensor-parallel-size", type=_positive, default=1, help=tp_help)
-  p.add_argument("--data-parallel-size", type=_positive, default=1,
-                 help="data-parallel replicas; with --enable-expert-parallel the experts split over all data x "
-                      "tensor devices" + (" (the engine needs --enable-expert-parallel with it)" if kind == "engine" else ""))
-  p.add_argument("--enable-expert-parallel", action="store_true",
-                 help="split the routed experts over all data x tensor devices instead of each over the tensor axis")
+  p.add_argument(
+    "--data-parallel-size",
+    type=_positive,
+    default=1,
+    help="data-parallel replicas; with --enable-expert-parallel the experts split over all data x "
+    "tensor devices" + (" (the engine needs --enable-expert-parallel with it)" if kind == "engine" else ""),
+  )
+  p.add_argument(
+    "--enable-expert-parallel",
+    action="store_true",
+    help="split the routed experts over all data x tensor devices instead of each over the tensor axis",
+  )
 
 
 def _add_engine_args(p):
@@ -524,31 +689,60 @@ def _add_engine_args(p):
   _add_cache_args(p, "engine")
   _add_parallel_args(p, "engine")
   p.add_argument("--weights-seed", type=int, default=0, help="seed of a built-in config's random weights")
-  p.add_argument("--force", action="store_true",
-                 help="build the model even when its weights and KV cache exceed the device's memory")
+  p.add_argument(
+    "--force", action="store_true", help="build the model even when its weights and KV cache exceed the device's memory"
+  )
   p.add_argument("--max-num-reqs", type=_positive, default=8, help="request rows per step")
   p.add_argument("--max-num-batched-tokens", type=_positive, default=64, help="token budget per step")
-  p.add_argument("--implementation", choices=("auto", "xla", "pallas"), default="auto",
-                 help="attention kernels: the Pallas kernels (interpret mode on a CPU), the XLA reference path, "
-                      "or auto: Pallas on a GPU, XLA on the CPU")
-  p.add_argument("--check-weights", action="store_true",
-                 help="refuse a checkpoint whose tensors hold NaN or infinite values (one pass over the weights)")
-  p.add_argument("--enable-prefix-caching", action="store_true",
-                 help="reuse cached blocks of earlier prompts with the same prefix (KDA states checkpointed at block "
-                      "boundaries; outputs bitwise those of a cold run; docs/engine.md)")
-  p.add_argument("--kv-offload", choices=("host", "disk"), default=None,
-                 help="keep prefix-cache blocks evicted from the device in host memory or on disk (needs "
-                      "--enable-prefix-caching; disk needs --kv-offload-dir)")
-  p.add_argument("--kv-offload-gib", type=_positive_float, default=None,
-                 help="capacity of the offload tier in GiB (default 4)")
-  p.add_argument("--kv-offload-dir", default=None,
-                 help="directory of the disk tier (blocks survive restarts; created if missing)")
-  p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
-                 help="a preempted request's blocks are recomputed, or swapped to host memory and back")
-  p.add_argument("--swap-space", type=_non_negative_float, default=None,
-                 help="host memory in GiB for swapped blocks (--preemption-mode swap; recompute past it; default 4)")
-  p.add_argument("--buckets", type=_int_list, default=None,
-                 help="step token counts to compile, e.g. 32,512 (default: powers of two up to the budget)")
+  p.add_argument(
+    "--implementation",
+    choices=("auto", "xla", "pallas"),
+    default="auto",
+    help="attention kernels: the Pallas kernels (interpret mode on a CPU), the XLA reference path, "
+    "or auto: Pallas on a GPU, XLA on the CPU",
+  )
+  p.add_argument(
+    "--check-weights",
+    action="store_true",
+    help="refuse a checkpoint whose tensors hold NaN or infinite values (one pass over the weights)",
+  )
+  p.add_argument(
+    "--enable-prefix-caching",
+    action="store_true",
+    help="reuse cached blocks of earlier prompts with the same prefix (KDA states checkpointed at block "
+    "boundaries; outputs bitwise those of a cold run; docs/engine.md)",
+  )
+  p.add_argument(
+    "--kv-offload",
+    choices=("host", "disk"),
+    default=None,
+    help="keep prefix-cache blocks evicted from the device in host memory or on disk (needs "
+    "--enable-prefix-caching; disk needs --kv-offload-dir)",
+  )
+  p.add_argument(
+    "--kv-offload-gib", type=_positive_float, default=None, help="capacity of the offload tier in GiB (default 4)"
+  )
+  p.add_argument(
+    "--kv-offload-dir", default=None, help="directory of the disk tier (blocks survive restarts; created if missing)"
+  )
+  p.add_argument(
+    "--preemption-mode",
+    choices=("recompute", "swap"),
+    default="recompute",
+    help="a preempted request's blocks are recomputed, or swapped to host memory and back",
+  )
+  p.add_argument(
+    "--swap-space",
+    type=_non_negative_float,
+    default=None,
+    help="host memory in GiB for swapped blocks (--preemption-mode swap; recompute past it; default 4)",
+  )
+  p.add_argument(
+    "--buckets",
+    type=_int_list,
+    default=None,
+    help="step token counts to compile, e.g. 32,512 (default: powers of two up to the budget)",
+  )
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -568,58 +762,88 @@ def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="jaxkv", description="Paged KV-cache management for JAX/Pallas LLM inference.")
   parser.add_argument("--version", action="version", version=f"jaxkv {__version__}")
   sub = parser.add_subparsers(dest="command", required=True)
-  p = sub.add_parser("inspect", formatter_class=_HelpFormatter, help="print the KV-cache plan of a model",
-                     description="Plan the KV cache of a glm5_next model: groups, specs, page bytes, manager and "
-                                 "kernel block sizes, strides, alignments, bytes per block, number of blocks.")
+  p = sub.add_parser(
+    "inspect",
+    formatter_class=_HelpFormatter,
+    help="print the KV-cache plan of a model",
+    description="Plan the KV cache of a glm5_next model: groups, specs, page bytes, manager and "
+    "kernel block sizes, strides, alignments, bytes per block, number of blocks.",
+  )
   _add_model_args(p, "glm-5.3-flash")
   _add_cache_args(p, "inspect")
   p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
   _add_parallel_args(p, "inspect")
-  p.add_argument("--plot", metavar="FILE", default=None,
-                 help="also draw one block (layers' pages, kernel pages, alignment padding) into FILE (.png, .svg; "
-                      "needs matplotlib: the 'plot' extra)")
+  p.add_argument(
+    "--plot",
+    metavar="FILE",
+    default=None,
+    help="also draw one block (layers' pages, kernel pages, alignment padding) into FILE (.png, .svg; "
+    "needs matplotlib: the 'plot' extra)",
+  )
   p.set_defaults(func=cmd_inspect)
 
-  g = sub.add_parser("generate", formatter_class=_HelpFormatter, help="generate tokens (default: the embedded tiny random model)",
-                     description="Serve prompts with the engine: continuous batching, chunked prefill, paged caches.")
+  g = sub.add_parser(
+    "generate",
+    formatter_class=_HelpFormatter,
+    help="generate tokens (default: the embedded tiny random model)",
+    description="Serve prompts with the engine: continuous batching, chunked prefill, paged caches.",
+  )
   _add_engine_args(g)
   src = g.add_mutually_exclusive_group()
   src.add_argument("--prompt-ids", help="comma-separated token ids (default 1..13)")
-  src.add_argument("--prompt", help="text, encoded with the checkpoint's tokenizer.json (the embedded tiny model "
-                                    "ships one)")
+  src.add_argument(
+    "--prompt", help="text, encoded with the checkpoint's tokenizer.json (the embedded tiny model ships one)"
+  )
   src.add_argument("--batch-file", help="JSON list of token-id lists, one request each")
   g.add_argument("--batch", type=_positive, default=None, help="copies of the prompt (default 1)")
   g.add_argument("--max-tokens", type=_positive, default=8, help="tokens to generate per request")
   g.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampling with --top-p")
   g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --temperature > 0)")
   g.add_argument("--top-k", type=int, default=0, help="sample among the k most probable tokens (0: off)")
-  g.add_argument("--seed", type=int, default=None,
-                 help="sampling seed (default: fresh entropy per request; built-in weights use --weights-seed)")
+  g.add_argument(
+    "--seed",
+    type=int,
+    default=None,
+    help="sampling seed (default: fresh entropy per request; built-in weights use --weights-seed)",
+  )
   g.add_argument("--logprobs", type=int, default=0, help="top-k log-probabilities per token (up to 20)")
   g.add_argument("--stop-at-eos", action="store_true", help="stop at the config's and the tokenizer's eos ids")
   g.add_argument("--json", action="store_true", help="tokens and logprobs per request as one JSON object")
   g.add_argument("--print-plan", action="store_true", help="print the engine's KV-cache plan (as inspect) on stderr")
   g.set_defaults(func=cmd_generate)
 
-  b = sub.add_parser("bench", formatter_class=_HelpFormatter, help="decode throughput, step latency percentiles and compile count",
-                     description="Prefill a batch of random prompts, then time every decode step.")
+  b = sub.add_parser(
+    "bench",
+    formatter_class=_HelpFormatter,
+    help="decode throughput, step latency percentiles and compile count",
+    description="Prefill a batch of random prompts, then time every decode step.",
+  )
   _add_engine_args(b)
   b.add_argument("--batch", type=_positive, default=4, help="requests decoding together")
   b.add_argument("--context", type=_positive, default=64, help="prompt tokens per request")
   b.add_argument("--steps", type=_positive, default=32, help="decode steps to time, every request decoding")
   b.add_argument("--json", action="store_true", help="the results as one JSON object")
-  b.add_argument("--profile", metavar="DIR", default=None,
-                 help="after the timed steps, trace 8 more with jax.profiler into DIR and print the heaviest kernels")
+  b.add_argument(
+    "--profile",
+    metavar="DIR",
+    default=None,
+    help="after the timed steps, trace 8 more with jax.profiler into DIR and print the heaviest kernels",
+  )
   b.set_defaults(func=cmd_bench)
 
-  v = sub.add_parser("serve", formatter_class=_HelpFormatter, help="an OpenAI-compatible HTTP server",
-                     description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics "
-                                 "(FastAPI on uvicorn); talk to it with OpenAI's client.")
+  v = sub.add_parser(
+    "serve",
+    formatter_class=_HelpFormatter,
+    help="an OpenAI-compatible HTTP server",
+    description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics "
+    "(FastAPI on uvicorn); talk to it with OpenAI's client.",
+  )
   _add_engine_args(v)
   v.add_argument("--host", default="127.0.0.1", help="address to listen on")
   v.add_argument("--port", type=_positive, default=8000, help="port to listen on")
-  v.add_argument("--max-pending", type=_positive, default=256,
-                 help="unfinished requests the server holds; more are answered 503")
+  v.add_argument(
+    "--max-pending", type=_positive, default=256, help="unfinished requests the server holds; more are answered 503"
+  )
   v.add_argument("--served-model-name", default=None, help="the model's name in the API (default: its path or config)")
   v.set_defaults(func=cmd_serve)
   return parser

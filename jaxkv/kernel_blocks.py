@@ -18,15 +18,15 @@ __all__ = ["map_to_kernel_blocks", "map_to_kernel_blocks_reference"]
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=("blocks_per_kernel_block", "stride"),
-    donate_argnames=("out",),
+  jax.jit,
+  static_argnames=("blocks_per_kernel_block", "stride"),
+  donate_argnames=("out",),
 )
 def map_to_kernel_blocks(
-    block_table: Int[Array, "R W"],
-    blocks_per_kernel_block: int,
-    stride: int,
-    out: Int[Array, "R2 W2"] | None = None,
+  block_table: Int[Array, "R W"],
+  blocks_per_kernel_block: int,
+  stride: int,
+  out: Int[Array, "R2 W2"] | None = None,
 ) -> Int[Array, "R2 W2"]:
   """Maps a manager-unit block table to kernel blocks.
 
@@ -48,8 +48,8 @@ def map_to_kernel_blocks(
   bpk = blocks_per_kernel_block
   if bpk < 1 or stride < bpk:
     raise ValueError(
-        f"blocks_per_kernel_block={bpk} must be >= 1 and stride={stride} >= it "
-        "(a manager block's kernel pages cannot overlap the next block's)."
+      f"blocks_per_kernel_block={bpk} must be >= 1 and stride={stride} >= it "
+      "(a manager block's kernel pages cannot overlap the next block's)."
     )
   offsets = jnp.arange(bpk, dtype=jnp.int32)
   mapped = (block_table.astype(jnp.int32)[:, :, None] * stride + offsets).reshape(rows, width * bpk)
@@ -57,8 +57,8 @@ def map_to_kernel_blocks(
     return mapped
   if out.shape[0] < rows or out.shape[1] < width * bpk or out.dtype != jnp.int32:
     raise ValueError(
-        f"out {out.dtype}{list(out.shape)} cannot hold the mapped int32[{rows}, {width * bpk}] "
-        f"table (block_table {list(block_table.shape)} x {bpk} kernel blocks per block)."
+      f"out {out.dtype}{list(out.shape)} cannot hold the mapped int32[{rows}, {width * bpk}] "
+      f"table (block_table {list(block_table.shape)} x {bpk} kernel blocks per block)."
     )
   return jax.lax.dynamic_update_slice(out, mapped, (0, 0))
 

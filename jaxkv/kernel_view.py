@@ -62,16 +62,39 @@ class KernelView:
   block_stride_bytes: int
 
   @classmethod
-  def for_rows(cls, row_bytes: int, *, tokens_per_row: int = 1, entries_per_page: int = 1, base_row: int = 0,
-               offset_bytes: int = 0, block_size: int | None = None, layer_name: str = "cache") -> KernelView:
+  def for_rows(
+    cls,
+    row_bytes: int,
+    *,
+    tokens_per_row: int = 1,
+    entries_per_page: int = 1,
+    base_row: int = 0,
+    offset_bytes: int = 0,
+    block_size: int | None = None,
+    layer_name: str = "cache",
+  ) -> KernelView:
     """A view of a bare ``uint8[num_rows, row_bytes]`` array, one kernel block per row (tests,
     benchmarks, caches not made by the planner)."""
     bs = block_size or tokens_per_row
-    return cls(layer_name=layer_name, tensor=layer_name, kv_cache_group_id=0, attention_group_id=0, block_size=bs,
-               kernel_block_size=None, blocks_per_kernel_block=1, stride=1, row_bytes=row_bytes, base_row=base_row,
-               offset_bytes=offset_bytes, page_bytes=row_bytes, kernel_page_bytes=row_bytes,
-               tokens_per_row=tokens_per_row, entries_per_page=entries_per_page, tensor_offset_bytes=offset_bytes,
-               block_stride_bytes=row_bytes)
+    return cls(
+      layer_name=layer_name,
+      tensor=layer_name,
+      kv_cache_group_id=0,
+      attention_group_id=0,
+      block_size=bs,
+      kernel_block_size=None,
+      blocks_per_kernel_block=1,
+      stride=1,
+      row_bytes=row_bytes,
+      base_row=base_row,
+      offset_bytes=offset_bytes,
+      page_bytes=row_bytes,
+      kernel_page_bytes=row_bytes,
+      tokens_per_row=tokens_per_row,
+      entries_per_page=entries_per_page,
+      tensor_offset_bytes=offset_bytes,
+      block_stride_bytes=row_bytes,
+    )
 
   @property
   def is_split(self) -> bool:

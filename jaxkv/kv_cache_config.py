@@ -39,13 +39,13 @@ from jaxkv.kv_cache_spec import AttentionSpec, CircularBufferSpec, KVCacheSpec, 
 from jaxkv.utils import round_up
 
 __all__ = [
-    "CacheConfig",
-    "KVCacheLayer",
-    "KVCacheTensor",
-    "KVCacheGroupSpec",
-    "KVCacheConfig",
-    "plan_kv_cache",
-    "LAYOUTS",
+  "CacheConfig",
+  "KVCacheLayer",
+  "KVCacheTensor",
+  "KVCacheGroupSpec",
+  "KVCacheConfig",
+  "plan_kv_cache",
+  "LAYOUTS",
 ]
 
 LAYOUTS = ("dense", "packed")
@@ -215,51 +215,57 @@ class KVCacheConfig:
     """Zeroed backing arrays, keyed by tensor name; ``shardings`` (by name) places each one,
     zeroed on each device in place (a split tensor is never whole on one device)."""
     shapes = {t.name: t.shape_dtype().shape for t in self.tensors}
-    zeros = jax.jit(lambda: {name: jnp.zeros(shape, jnp.uint8) for name, shape in shapes.items()},
-                    out_shardings=None if shardings is None else dict(shardings))
+    zeros = jax.jit(
+      lambda: {name: jnp.zeros(shape, jnp.uint8) for name, shape in shapes.items()},
+      out_shardings=None if shardings is None else dict(shardings),
+    )
     return zeros()  # one compilation for every tensor
 
   def init_kernel_block_tables(self, max_num_reqs: int) -> tuple[jax.Array | None, ...]:
     """Each attention group's persistent kernel-block table (None where the group has no split)."""
     widths = self.block_table_widths()
-    return tuple(ag.init_kernel_block_table(max_num_reqs, widths[ag.kv_cache_group_id])
-                 for ag in self.attention_groups)
+    return tuple(ag.init_kernel_block_table(max_num_reqs, widths[ag.kv_cache_group_id]) for ag in self.attention_groups)
 
   def describe(self) -> dict:
     return {
-        "layout": self.layout,
-        "block_size": self.block_size,
-        "requested_block_size": self.requested_block_size,
-        "num_blocks": self.num_blocks,
-        "bytes_per_block": self.bytes_per_block,
-        "stride_alignment_bytes": self.stride_alignment_bytes,
-        "max_model_len": self.max_model_len,
-        "token_capacity": self.token_capacity,
-        "blocks_per_full_length_request": self.blocks_per_request(self.max_model_len),
-        "max_num_full_length_requests": self.max_num_full_length_requests,
-        "total_bytes": sum(t.size_bytes for t in self.tensors),
-        "cache_config": dataclasses.asdict(self.cache_config),
-        "kv_cache_groups": [
-            {
-                "group_id": g,
-                "manager_block_size": grp.kv_cache_spec.block_size,
-                "kind": type(grp.kv_cache_spec).__name__,
-                "num_layers": len(grp.layer_names),
-                "layers": list(grp.layer_names),
-                "page_size_bytes": grp.page_size_bytes,
-                "block_table_width": w,
-            }
-            for g, (grp, w) in enumerate(zip(self.kv_cache_groups, self.block_table_widths()))
-        ],
-        "attention_groups": [
-            {**ag.describe(), "kv_cache_spec": ag.kv_cache_spec.describe()} for ag in self.attention_groups
-        ],
-        "tensors": [
-            {"name": t.name, "shape": [t.num_rows, t.row_bytes], "dtype": "uint8", "layers": len(t.layer_names),
-             "shards": t.shards}
-            for t in self.tensors
-        ],
-        "views": [dataclasses.asdict(v) for v in self.views],
+      "layout": self.layout,
+      "block_size": self.block_size,
+      "requested_block_size": self.requested_block_size,
+      "num_blocks": self.num_blocks,
+      "bytes_per_block": self.bytes_per_block,
+      "stride_alignment_bytes": self.stride_alignment_bytes,
+      "max_model_len": self.max_model_len,
+      "token_capacity": self.token_capacity,
+      "blocks_per_full_length_request": self.blocks_per_request(self.max_model_len),
+      "max_num_full_length_requests": self.max_num_full_length_requests,
+      "total_bytes": sum(t.size_bytes for t in self.tensors),
+      "cache_config": dataclasses.asdict(self.cache_config),
+      "kv_cache_groups": [
+        {
+          "group_id": g,
+          "manager_block_size": grp.kv_cache_spec.block_size,
+          "kind": type(grp.kv_cache_spec).__name__,
+          "num_layers": len(grp.layer_names),
+          "layers": list(grp.layer_names),
+          "page_size_bytes": grp.page_size_bytes,
+          "block_table_width": w,
+        }
+        for g, (grp, w) in enumerate(zip(self.kv_cache_groups, self.block_table_widths()))
+      ],
+      "attention_groups": [
+        {**ag.describe(), "kv_cache_spec": ag.kv_cache_spec.describe()} for ag in self.attention_groups
+      ],
+      "tensors": [
+        {
+          "name": t.name,
+          "shape": [t.num_rows, t.row_bytes],
+          "dtype": "uint8",
+          "layers": len(t.layer_names),
+          "shards": t.shards,
+        }
+        for t in self.tensors
+      ],
+      "views": [dataclasses.asdict(v) for v in self.views],
     }
 
 
@@ -273,8 +279,10 @@ def _group_key(spec: KVCacheSpec):
 def _scale_token_specs(layers: Sequence[KVCacheLayer], block_size: int) -> list[KVCacheLayer]:
   # A ring's block size is its capacity; every other spec follows the manager block size.
   return [
-      l if isinstance(l.spec, CircularBufferSpec) else dataclasses.replace(l, spec=l.spec.copy_with_new_block_size(block_size))
-      for l in layers
+    l
+    if isinstance(l.spec, CircularBufferSpec)
+    else dataclasses.replace(l, spec=l.spec.copy_with_new_block_size(block_size))
+    for l in layers
   ]
 
 
@@ -307,13 +315,17 @@ def _check_layers(layers: Sequence[KVCacheLayer]) -> None:
 def _check_shards(layers: Sequence[KVCacheLayer], layout: str, groups) -> None:
   split = [l.name for l in layers if l.shards > 1]
   if split and layout != "dense":
-    raise ValueError(f"{split[0]} (and {len(split) - 1} more) is split over devices (shards "
-                     f"{max(l.shards for l in layers)}), which needs the dense layout: a packed block holds every "
-                     "group's pages in one row, the replicated caches' too. Use layout='dense' or shards=1.")
+    raise ValueError(
+      f"{split[0]} (and {len(split) - 1} more) is split over devices (shards "
+      f"{max(l.shards for l in layers)}), which needs the dense layout: a packed block holds every "
+      "group's pages in one row, the replicated caches' too. Use layout='dense' or shards=1."
+    )
   for members in groups:  # one tensor per layer in the dense layout; a group shares one block table only
     if len({l.shards for l in members}) > 1:
-      raise ValueError(f"the layers of one group must be split alike, got shards {[l.shards for l in members]} "
-                       f"for {[l.name for l in members]}.")
+      raise ValueError(
+        f"the layers of one group must be split alike, got shards {[l.shards for l in members]} "
+        f"for {[l.name for l in members]}."
+      )
 
 
 def _resolve_block_size(layers: Sequence[KVCacheLayer], cc: CacheConfig) -> tuple[list[KVCacheLayer], int]:
@@ -333,9 +345,9 @@ def _resolve_block_size(layers: Sequence[KVCacheLayer], cc: CacheConfig) -> tupl
   for l in layers:
     if isinstance(l.spec, CircularBufferSpec) and block_size % l.spec.block_size:
       raise ValueError(
-          f"{l.name}: the block size {block_size} must be a multiple of its ring of "
-          f"{l.spec.block_size} slots (ring and token blocks share packed blocks). Use a block_size "
-          f"that is a multiple of {l.spec.block_size}."
+        f"{l.name}: the block size {block_size} must be a multiple of its ring of "
+        f"{l.spec.block_size} slots (ring and token blocks share packed blocks). Use a block_size "
+        f"that is a multiple of {l.spec.block_size}."
       )
   return layers, block_size
 
@@ -350,7 +362,7 @@ def _group_layers(layers: Sequence[KVCacheLayer], layout: str) -> list[list[KVCa
   for bucket in (b for k, b in buckets.items() if k[0] == "state"):
     page = bucket[0].spec.page_size_bytes
     per_group = len(bucket) if layout == "dense" or not anchor else max(1, anchor // page)
-    groups += [bucket[i:i + per_group] for i in range(0, len(bucket), per_group)]
+    groups += [bucket[i : i + per_group] for i in range(0, len(bucket), per_group)]
   return groups
 
 
@@ -369,9 +381,9 @@ def _make_attention_groups(groups, kernel_block_size: int | None) -> tuple[list[
       ag = AttentionGroup.create(backend, tuple(lnames), spec, g, kernel_block_size=split)
       if ag.kernel_block_size and isinstance(spec, AttentionSpec) and spec.page_size_padded:
         raise ValueError(
-            f"Padded KV pages do not support kernel block splitting: {lnames[0]} pads its "
-            f"{spec.block_size}-token page to {spec.page_size_padded} bytes but {backend.name} reads "
-            f"{ag.kernel_block_size}-token kernel blocks. Use block_size {ag.kernel_block_size}."
+          f"Padded KV pages do not support kernel block splitting: {lnames[0]} pads its "
+          f"{spec.block_size}-token page to {spec.page_size_padded} bytes but {backend.name} reads "
+          f"{ag.kernel_block_size}-token kernel blocks. Use block_size {ag.kernel_block_size}."
         )
       attn_groups.append(ag)
   return attn_groups, layer_ag
@@ -402,9 +414,9 @@ def _count_blocks(groups, bytes_per_block: int, cc: CacheConfig) -> int:
   if num_blocks - 1 < per_request:
     need = (per_request + 1) * bytes_per_block
     raise ValueError(
-        f"memory_bytes {cc.memory_bytes:,} ({_size(cc.memory_bytes)}) holds {num_blocks} blocks of "
-        f"{bytes_per_block:,} bytes (block 0 is the null block), but one {cc.planned_model_len}-token request "
-        f"needs {per_request}. Raise memory_bytes to at least {need:,} ({_size(need)}) or lower max_model_len."
+      f"memory_bytes {cc.memory_bytes:,} ({_size(cc.memory_bytes)}) holds {num_blocks} blocks of "
+      f"{bytes_per_block:,} bytes (block 0 is the null block), but one {cc.planned_model_len}-token request "
+      f"needs {per_request}. Raise memory_bytes to at least {need:,} ({_size(need)}) or lower max_model_len."
     )
   return num_blocks
 
@@ -421,19 +433,27 @@ def _bind(layers, groups, attn_groups, layer_ag, offsets, bytes_per_block: int, 
     if layout == "packed":
       tensor, block_stride = tensors[0], bytes_per_block
     else:
-      tensor = KVCacheTensor(l.name, num_blocks * ag.blocks_per_kernel_block, ag.kernel_page_bytes, (l.name,),
-                             l.shards)
+      tensor = KVCacheTensor(l.name, num_blocks * ag.blocks_per_kernel_block, ag.kernel_page_bytes, (l.name,), l.shards)
       tensors.append(tensor)
       block_stride = l.spec.page_size_bytes
-    views.append(ag.map_kv_cache_to_kernel_blocks(
-        l.name, tensor.name, (tensor.num_rows, tensor.row_bytes), page_offset_bytes=offsets[l.name],
-        block_stride_bytes=block_stride, attention_group_id=ag_id))
+    views.append(
+      ag.map_kv_cache_to_kernel_blocks(
+        l.name,
+        tensor.name,
+        (tensor.num_rows, tensor.row_bytes),
+        page_offset_bytes=offsets[l.name],
+        block_stride_bytes=block_stride,
+        attention_group_id=ag_id,
+      )
+    )
   resolved = []
   for i, ag in enumerate(attn_groups):
     strides = {v.stride for v in views if v.attention_group_id == i}
     if len(strides) != 1:
-      raise ValueError(f"the layers of attention group {i} ({ag.layer_names[0]}...) resolved different strides "
-                       f"{sorted(strides)}; they must share one kernel-block table.")
+      raise ValueError(
+        f"the layers of attention group {i} ({ag.layer_names[0]}...) resolved different strides "
+        f"{sorted(strides)}; they must share one kernel-block table."
+      )
     resolved.append(ag.resolve(strides.pop()))
   return tensors, views, resolved
 
@@ -461,32 +481,36 @@ def plan_kv_cache(layers: Sequence[KVCacheLayer], cache_config: CacheConfig) -> 
     if block_size == cc.block_size:
       raise
     # Name the size the user asked for, and why it grew, before the backend's complaint.
-    raise ValueError(f"block_size {cc.block_size} is planned as {block_size} tokens (every group's pages must "
-                     f"fill whole blocks), and then: {e}") from None
+    raise ValueError(
+      f"block_size {cc.block_size} is planned as {block_size} tokens (every group's pages must "
+      f"fill whole blocks), and then: {e}"
+    ) from None
   offsets, bytes_per_block, stride_alignment = _place_pages(layers, groups, cc.layout)
   num_blocks = _count_blocks(groups, bytes_per_block, cc)
-  tensors, views, attn_groups = _bind(layers, groups, attn_groups, layer_ag, offsets, bytes_per_block, num_blocks,
-                                      cc.layout)
-  max_index = max([num_blocks * max(m[0].spec.block_size, 1) for m in groups]
-                  + [num_blocks * ag.stride for ag in attn_groups])
+  tensors, views, attn_groups = _bind(
+    layers, groups, attn_groups, layer_ag, offsets, bytes_per_block, num_blocks, cc.layout
+  )
+  max_index = max(
+    [num_blocks * max(m[0].spec.block_size, 1) for m in groups] + [num_blocks * ag.stride for ag in attn_groups]
+  )
   if max_index > _INT32_MAX:
     raise ValueError(
-        f"{num_blocks} blocks of {block_size} tokens give slot indices up to {max_index}, past int32. "
-        "Lower memory_bytes or block_size."
+      f"{num_blocks} blocks of {block_size} tokens give slot indices up to {max_index}, past int32. "
+      "Lower memory_bytes or block_size."
     )
   return KVCacheConfig(
-      cache_config=cc,
-      layout=cc.layout,
-      block_size=block_size,
-      requested_block_size=cc.block_size,
-      num_blocks=num_blocks,
-      bytes_per_block=bytes_per_block,
-      max_model_len=cc.planned_model_len,
-      kv_cache_groups=tuple(
-          KVCacheGroupSpec(tuple(l.name for l in m), m[0].spec, tuple(l.spec for l in m)) for m in groups
-      ),
-      attention_groups=tuple(attn_groups),
-      tensors=tuple(tensors),
-      views=tuple(views),
-      stride_alignment_bytes=stride_alignment,
+    cache_config=cc,
+    layout=cc.layout,
+    block_size=block_size,
+    requested_block_size=cc.block_size,
+    num_blocks=num_blocks,
+    bytes_per_block=bytes_per_block,
+    max_model_len=cc.planned_model_len,
+    kv_cache_groups=tuple(
+      KVCacheGroupSpec(tuple(l.name for l in m), m[0].spec, tuple(l.spec for l in m)) for m in groups
+    ),
+    attention_groups=tuple(attn_groups),
+    tensors=tuple(tensors),
+    views=tuple(views),
+    stride_alignment_bytes=stride_alignment,
   )

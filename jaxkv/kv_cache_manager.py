@@ -25,22 +25,22 @@ import numpy as np
 
 from jaxkv.block_pool import BlockHash, BlockPool, KVCacheBlock
 from jaxkv.kv_cache_spec import (
-    CircularBufferSpec,
-    KVCacheSpec,
-    LinearAttentionStateSpec,
-    SlidingWindowSpec,
-    cdiv,
+  CircularBufferSpec,
+  KVCacheSpec,
+  LinearAttentionStateSpec,
+  SlidingWindowSpec,
+  cdiv,
 )
 
 __all__ = [
-    "SingleTypeKVCacheManager",
-    "FullAttentionManager",
-    "SlidingWindowManager",
-    "CircularBufferManager",
-    "LinearAttentionStateManager",
-    "KVCacheManager",
-    "hash_block_tokens",
-    "get_manager_for_spec",
+  "SingleTypeKVCacheManager",
+  "FullAttentionManager",
+  "SlidingWindowManager",
+  "CircularBufferManager",
+  "LinearAttentionStateManager",
+  "KVCacheManager",
+  "hash_block_tokens",
+  "get_manager_for_spec",
 ]
 
 
@@ -65,7 +65,9 @@ class SingleTypeKVCacheManager:
   def num_blocks_needed(self, num_tokens: int) -> int:
     return cdiv(num_tokens, self.block_size)
 
-  def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed: Sequence[KVCacheBlock] = ()) -> int:
+  def get_num_blocks_to_allocate(
+    self, request_id: str, num_tokens: int, new_computed: Sequence[KVCacheBlock] = ()
+  ) -> int:
     owned = len(self.req_to_blocks.get(request_id, ())) + len(new_computed)
     # Touching free cached blocks also takes them out of the free queue.
     evictable = sum(1 for b in new_computed if b.ref_cnt == 0 and not b.is_null)
@@ -181,9 +183,10 @@ class CircularBufferManager(_OneBlockPerRequestManager):
   def check_prefix_caching(self, hash_block_size: int) -> None:
     if hash_block_size % self.spec.block_size:
       raise ValueError(
-          f"prefix caching resumes at block boundaries of {hash_block_size} tokens, which must be a multiple of "
-          f"the tail ring's {self.spec.block_size} slots (group {self.group_id}) so the ring is empty there; "
-          f"use a block size that is a multiple of {self.spec.block_size}.")
+        f"prefix caching resumes at block boundaries of {hash_block_size} tokens, which must be a multiple of "
+        f"the tail ring's {self.spec.block_size} slots (group {self.group_id}) so the ring is empty there; "
+        f"use a block size that is a multiple of {self.spec.block_size}."
+      )
 
 
 class LinearAttentionStateManager(_OneBlockPerRequestManager):
@@ -251,9 +254,9 @@ class LinearAttentionStateManager(_OneBlockPerRequestManager):
 
 def get_manager_for_spec(spec: KVCacheSpec, block_pool: BlockPool, group_id: int) -> SingleTypeKVCacheManager:
   for spec_type, manager in (
-      (CircularBufferSpec, CircularBufferManager),
-      (LinearAttentionStateSpec, LinearAttentionStateManager),
-      (SlidingWindowSpec, SlidingWindowManager),
+    (CircularBufferSpec, CircularBufferManager),
+    (LinearAttentionStateSpec, LinearAttentionStateManager),
+    (SlidingWindowSpec, SlidingWindowManager),
   ):
     if isinstance(spec, spec_type):
       return manager(spec, block_pool, group_id)
@@ -273,8 +276,9 @@ class KVCacheManager:
       after it, which the hit's hashes do not cover.
   """
 
-  def __init__(self, group_specs: Sequence[KVCacheSpec], num_blocks: int, *, enable_caching: bool = True,
-               use_eagle: bool = False):
+  def __init__(
+    self, group_specs: Sequence[KVCacheSpec], num_blocks: int, *, enable_caching: bool = True, use_eagle: bool = False
+  ):
     token_sizes = {s.block_size for s in group_specs if not s.is_state}
     self.hash_block_size = min(token_sizes) if token_sizes else None
     self.enable_caching = enable_caching and self.hash_block_size is not None
@@ -302,10 +306,12 @@ class KVCacheManager:
     hashes = self._block_hashes.setdefault(request_id, [])
     bs = self.hash_block_size
     for i in range(len(hashes), len(token_ids) // bs):
-      hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs]))
+      hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs]))
     return hashes
 
-  def get_computed_blocks(self, request_id: str, token_ids: Sequence[int]) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+  def get_computed_blocks(
+    self, request_id: str, token_ids: Sequence[int]
+  ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
     """Longest cached prefix of the prompt, per group, and its length in tokens.
 
     At least one token is always left to compute (its logits are needed). The hit ends at a block
@@ -342,18 +348,18 @@ class KVCacheManager:
 
   def can_allocate(self, request_id: str, num_tokens: int, new_computed_blocks=None) -> bool:
     need = sum(
-        m.get_num_blocks_to_allocate(request_id, num_tokens, nc)
-        for m, nc in zip(self.managers, new_computed_blocks or [()] * len(self.managers))
+      m.get_num_blocks_to_allocate(request_id, num_tokens, nc)
+      for m, nc in zip(self.managers, new_computed_blocks or [()] * len(self.managers))
     )
     return need <= self.num_free_blocks
 
   def allocate_slots(
-      self,
-      request_id: str,
-      num_tokens: int,
-      *,
-      num_computed_tokens: int = 0,
-      new_computed_blocks: Sequence[Sequence[KVCacheBlock]] | None = None,
+    self,
+    request_id: str,
+    num_tokens: int,
+    *,
+    num_computed_tokens: int = 0,
+    new_computed_blocks: Sequence[Sequence[KVCacheBlock]] | None = None,
   ) -> tuple[list[int], ...] | None:
     """Makes the request own blocks for its first ``num_tokens`` tokens, in every group.
 
@@ -390,17 +396,24 @@ class KVCacheManager:
     num_computed_tokens = min(num_computed_tokens, len(token_ids))
     hashes = self.block_hashes(request_id, token_ids[:num_computed_tokens])
     for m in self._token_managers:
-      self._newly_cached += [(b.block_hash[0], m.group_id, b.block_id)
-                             for b in m.cache_blocks(request_id, hashes, num_computed_tokens)]
+      self._newly_cached += [
+        (b.block_hash[0], m.group_id, b.block_id) for b in m.cache_blocks(request_id, hashes, num_computed_tokens)
+      ]
 
-  def checkpoint_states(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> list[tuple[int, int]]:
+  def checkpoint_states(
+    self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int
+  ) -> list[tuple[int, int]]:
     """After a step whose last token of this request ends a block (and is no draft): checkpoints
     the request's recurrent states there. Returns ``(source, destination)`` block copies for the
     engine to dispatch right after that step; none when caching is off, the step did not end on a
     boundary, the boundary's tokens are not all known yet, or it is checkpointed already."""
     bs = self.hash_block_size
-    if (not self.enable_caching or not num_computed_tokens or num_computed_tokens % bs
-        or num_computed_tokens > len(token_ids)):
+    if (
+      not self.enable_caching
+      or not num_computed_tokens
+      or num_computed_tokens % bs
+      or num_computed_tokens > len(token_ids)
+    ):
       return []
     block_hash = self.block_hashes(request_id, token_ids[:num_computed_tokens])[num_computed_tokens // bs - 1]
     copies = []

@@ -28,11 +28,17 @@ def block_segments(plan: KVCacheConfig) -> dict[int, list[dict]]:
   out: dict[int, list[dict]] = collections.defaultdict(list)
   rows = {t.name: t.row_bytes for t in plan.tensors}
   for v in plan.views:
-    out[v.kv_cache_group_id].append({
-        "layer": v.layer_name, "kind": v.layer_name.rsplit(".", 1)[-1], "tensor": v.tensor,
-        "start": v.tensor_offset_bytes, "bytes": v.page_bytes,
+    out[v.kv_cache_group_id].append(
+      {
+        "layer": v.layer_name,
+        "kind": v.layer_name.rsplit(".", 1)[-1],
+        "tensor": v.tensor,
+        "start": v.tensor_offset_bytes,
+        "bytes": v.page_bytes,
         "kernel_page_bytes": v.kernel_page_bytes if v.kernel_block_size else None,
-        "row_bytes": v.block_stride_bytes if plan.layout == "packed" else rows[v.tensor]})
+        "row_bytes": v.block_stride_bytes if plan.layout == "packed" else rows[v.tensor],
+      }
+    )
   for segs in out.values():
     segs.sort(key=lambda s: (s["start"], s["layer"]))
     if plan.layout != "packed":  # one array per layer: lay the rows end to end
@@ -59,8 +65,10 @@ def plot_block(plan: KVCacheConfig, path: str | None = None, *, ax=None):
   rows: dict[tuple, list[int]] = {}
   first: dict[tuple, list[dict]] = {}
   for g, segs in block_segments(plan).items():
-    key = (type(plan.kv_cache_groups[g].kv_cache_spec).__name__,
-           tuple((s["kind"], s["start"], s["bytes"], s["kernel_page_bytes"]) for s in segs))
+    key = (
+      type(plan.kv_cache_groups[g].kv_cache_spec).__name__,
+      tuple((s["kind"], s["start"], s["bytes"], s["kernel_page_bytes"]) for s in segs),
+    )
     rows.setdefault(key, []).append(g)
     first.setdefault(key, segs)
   if ax is None:
@@ -69,15 +77,21 @@ def plot_block(plan: KVCacheConfig, path: str | None = None, *, ax=None):
     fig = ax.figure
   labels = []
   for y, (key, gs) in enumerate(rows.items()):
-    ids = f"group {gs[0]}" if len(gs) == 1 else f"groups {gs[0]}-{gs[-1]}" if gs == list(range(gs[0], gs[-1] + 1)) \
-        else f"groups {','.join(map(str, gs))}"
+    ids = (
+      f"group {gs[0]}"
+      if len(gs) == 1
+      else f"groups {gs[0]}-{gs[-1]}"
+      if gs == list(range(gs[0], gs[-1] + 1))
+      else f"groups {','.join(map(str, gs))}"
+    )
     labels.append(f"{ids}: {key[0]}")
     segs = first[key]
     end = max(s["start"] + s["row_bytes"] for s in segs) if plan.layout != "packed" else plan.bytes_per_block
     ax.barh(y, end, left=0, height=0.6, color="#eeeeee", hatch="//", edgecolor="#bbbbbb", lw=0)  # padding
     for s in segs:
-      ax.barh(y, s["bytes"], left=s["start"], height=0.6, color=_COLORS.get(s["kind"], "#8172b2"),
-              edgecolor="white", lw=0.5)
+      ax.barh(
+        y, s["bytes"], left=s["start"], height=0.6, color=_COLORS.get(s["kind"], "#8172b2"), edgecolor="white", lw=0.5
+      )
       if s["kernel_page_bytes"]:
         for x in range(s["start"] + s["kernel_page_bytes"], s["start"] + s["bytes"], s["kernel_page_bytes"]):
           ax.plot([x, x], [y - 0.3, y + 0.3], color="black", lw=0.4)
@@ -85,10 +99,15 @@ def plot_block(plan: KVCacheConfig, path: str | None = None, *, ax=None):
         ax.plot([s["start"], s["start"]], [y - 0.4, y + 0.4], color="black", lw=1.0)
   ax.set_yticks(range(len(labels)), labels)
   ax.invert_yaxis()
-  ax.set_xlabel("bytes of one block" + (" (the arena row)" if plan.layout == "packed" else
-                                        " (each layer's own array, rows end to end)"))
-  ax.set_title(f"one {plan.block_size}-token block ({plan.layout}): {plan.bytes_per_block:,} B, stride alignment "
-               f"{plan.stride_alignment_bytes:,} B; ticks: kernel pages", fontsize=10)
+  ax.set_xlabel(
+    "bytes of one block"
+    + (" (the arena row)" if plan.layout == "packed" else " (each layer's own array, rows end to end)")
+  )
+  ax.set_title(
+    f"one {plan.block_size}-token block ({plan.layout}): {plan.bytes_per_block:,} B, stride alignment "
+    f"{plan.stride_alignment_bytes:,} B; ticks: kernel pages",
+    fontsize=10,
+  )
   handles = [Patch(color=c, label=k) for k, c in _COLORS.items()]
   handles.append(Patch(facecolor="#eeeeee", hatch="//", edgecolor="#bbbbbb", label="alignment padding / unused"))
   ax.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 1.08), ncol=5, fontsize=8, frameon=False)

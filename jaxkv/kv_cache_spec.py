@@ -20,16 +20,16 @@ import numpy as np
 from jaxkv.utils import cdiv
 
 __all__ = [
-    "MultipleOf",
-    "KVCacheSpec",
-    "AttentionSpec",
-    "FullAttentionSpec",
-    "MLAAttentionSpec",
-    "SlidingWindowSpec",
-    "CircularBufferSpec",
-    "LinearAttentionStateSpec",
-    "dtype_size",
-    "cdiv",
+  "MultipleOf",
+  "KVCacheSpec",
+  "AttentionSpec",
+  "FullAttentionSpec",
+  "MLAAttentionSpec",
+  "SlidingWindowSpec",
+  "CircularBufferSpec",
+  "LinearAttentionStateSpec",
+  "dtype_size",
+  "cdiv",
 ]
 
 
@@ -172,13 +172,12 @@ class AttentionSpec(KVCacheSpec):
       raise ValueError(f"compress_ratio must be >= 1, got {self.compress_ratio}.")
     if self.block_size % self.compress_ratio:
       raise ValueError(
-          f"block_size {self.block_size} must be a multiple of the compression ratio "
-          f"{self.compress_ratio} (a state never straddles two blocks)."
+        f"block_size {self.block_size} must be a multiple of the compression ratio "
+        f"{self.compress_ratio} (a state never straddles two blocks)."
       )
     if self.page_size_padded is not None and self.page_size_padded < self.unpadded_page_size_bytes:
       raise ValueError(
-          f"page_size_padded {self.page_size_padded} is smaller than the page "
-          f"{self.unpadded_page_size_bytes}."
+        f"page_size_padded {self.page_size_padded} is smaller than the page {self.unpadded_page_size_bytes}."
       )
 
   @property

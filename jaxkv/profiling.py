@@ -24,8 +24,11 @@ def _device_events(trace: dict) -> list[dict]:
   gpu = {pid for pid, name in procs.items() if name.startswith("/device:GPU")}
   if gpu:
     return [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu]
-  threads = {(e["pid"], e["tid"]) for e in events
-             if e.get("ph") == "M" and e.get("name") == "thread_name" and "XLA" in e["args"].get("name", "")}
+  threads = {
+    (e["pid"], e["tid"])
+    for e in events
+    if e.get("ph") == "M" and e.get("name") == "thread_name" and "XLA" in e["args"].get("name", "")
+  }
   return [e for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in threads]
 
 
@@ -60,20 +63,30 @@ def summarize_trace(trace_dir: str | pathlib.Path, num_steps: int, *, top: int =
   total = sum(sum(d) for d in by_name.values())
   ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
   return {
-      "device": "gpu" if _is_gpu(trace) else "cpu",
-      "steps": num_steps,
-      "kernels_per_step": len(events) / num_steps,
-      "busy_ms_per_step": busy / 1e3 / num_steps,
-      "span_ms_per_step": span / 1e3 / num_steps,
-      "idle_fraction": 1.0 - busy / span if span > 0 else 0.0,
-      "top": [{"name": name[:120], "ms_per_step": sum(d) / 1e3 / num_steps, "calls_per_step": len(d) / num_steps,
-               "share": sum(d) / total if total else 0.0} for name, d in ranked],
-      "idle_gaps": [{"after": a, "before": b, "ms_per_step": sum(d) / 1e3 / num_steps,
-                     "gaps_per_step": len(d) / num_steps}
-                    for (a, b), d in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:top]],
+    "device": "gpu" if _is_gpu(trace) else "cpu",
+    "steps": num_steps,
+    "kernels_per_step": len(events) / num_steps,
+    "busy_ms_per_step": busy / 1e3 / num_steps,
+    "span_ms_per_step": span / 1e3 / num_steps,
+    "idle_fraction": 1.0 - busy / span if span > 0 else 0.0,
+    "top": [
+      {
+        "name": name[:120],
+        "ms_per_step": sum(d) / 1e3 / num_steps,
+        "calls_per_step": len(d) / num_steps,
+        "share": sum(d) / total if total else 0.0,
+      }
+      for name, d in ranked
+    ],
+    "idle_gaps": [
+      {"after": a, "before": b, "ms_per_step": sum(d) / 1e3 / num_steps, "gaps_per_step": len(d) / num_steps}
+      for (a, b), d in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:top]
+    ],
   }
 
 
 def _is_gpu(trace: dict) -> bool:
-  return any(e.get("ph") == "M" and e.get("name") == "process_name" and e["args"]["name"].startswith("/device:GPU")
-             for e in trace.get("traceEvents", []))
+  return any(
+    e.get("ph") == "M" and e.get("name") == "process_name" and e["args"]["name"].startswith("/device:GPU")
+    for e in trace.get("traceEvents", [])
+  )

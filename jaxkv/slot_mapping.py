@@ -20,12 +20,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 __all__ = [
-    "PAD_SLOT_ID",
-    "block_slots",
-    "compute_slot_mapping",
-    "compute_circular_slot_mapping",
-    "compute_compressed_slot_mapping",
-    "req_indices_from_query_start_loc",
+  "PAD_SLOT_ID",
+  "block_slots",
+  "compute_slot_mapping",
+  "compute_circular_slot_mapping",
+  "compute_compressed_slot_mapping",
+  "req_indices_from_query_start_loc",
 ]
 
 PAD_SLOT_ID = -1
@@ -34,12 +34,7 @@ PAD_SLOT_ID = -1
 def _gather_block(block_table, num_blocks_per_row, req_indices, block_idx):
   """``table[r, block_idx]`` and whether that entry is a live block of a real request."""
   rows, width = block_table.shape
-  valid = (
-      (req_indices >= 0)
-      & (req_indices < rows)
-      & (block_idx >= 0)
-      & (block_idx < width)
-  )
+  valid = (req_indices >= 0) & (req_indices < rows) & (block_idx >= 0) & (block_idx < width)
   r = jnp.where(valid, req_indices, 0)
   c = jnp.where(valid, block_idx, 0)
   valid &= block_idx < num_blocks_per_row[r]
@@ -52,13 +47,24 @@ def block_slots(block_table, req_indices, positions, *, block_size: int, num_blo
   The one definition that writers (``compute_slot_mapping``) and readers (sparse MLA) share.
   Without ``num_blocks_per_row`` every in-range column counts as live.
   """
-  counts = num_blocks_per_row if num_blocks_per_row is not None else jnp.full(block_table.shape[:1], block_table.shape[1])
+  counts = (
+    num_blocks_per_row if num_blocks_per_row is not None else jnp.full(block_table.shape[:1], block_table.shape[1])
+  )
   block, valid = _gather_block(block_table, counts, req_indices, positions // block_size)
   return block * block_size + positions % block_size, valid
 
 
-def token_slots(block_table, num_blocks_per_row, req_indices, positions, *, block_size: int, dcp_size: int = 1,
-                dcp_rank: int = 0, dcp_interleave: int = 1):
+def token_slots(
+  block_table,
+  num_blocks_per_row,
+  req_indices,
+  positions,
+  *,
+  block_size: int,
+  dcp_size: int = 1,
+  dcp_rank: int = 0,
+  dcp_interleave: int = 1,
+):
   """``compute_slot_mapping``'s formula, unjitted: the tables may be arrays or Pallas refs."""
   if dcp_size > 1:
     virtual = block_size * dcp_size
@@ -68,8 +74,9 @@ def token_slots(block_table, num_blocks_per_row, req_indices, positions, *, bloc
   else:
     is_local = True
     local_pos = positions
-  slot, valid = block_slots(block_table, req_indices, local_pos, block_size=block_size,
-                            num_blocks_per_row=num_blocks_per_row)
+  slot, valid = block_slots(
+    block_table, req_indices, local_pos, block_size=block_size, num_blocks_per_row=num_blocks_per_row
+  )
   valid &= is_local & (positions >= 0)
   return jnp.where(valid, slot, PAD_SLOT_ID).astype(jnp.int32)
 
@@ -114,21 +121,21 @@ def _check_dcp(dcp_size: int, dcp_rank: int, dcp_interleave: int) -> None:
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=("block_size", "uses_slot_mapping", "dcp_size", "dcp_rank", "dcp_interleave"),
+  jax.jit,
+  static_argnames=("block_size", "uses_slot_mapping", "dcp_size", "dcp_rank", "dcp_interleave"),
 )
 def compute_slot_mapping(
-    block_table: Int[Array, "R W"],
-    num_blocks_per_row: Int[Array, "R"],
-    req_indices: Int[Array, "T"],
-    positions: Int[Array, "T"],
-    *,
-    block_size: int,
-    uses_slot_mapping: bool = True,
-    dcp_size: int = 1,
-    dcp_rank: int = 0,
-    dcp_interleave: int = 1,
-) -> Int[Array, "T"]:
+  block_table: Int[Array, "R W"],
+  num_blocks_per_row: Int[Array, " R"],
+  req_indices: Int[Array, " T"],
+  positions: Int[Array, " T"],
+  *,
+  block_size: int,
+  uses_slot_mapping: bool = True,
+  dcp_size: int = 1,
+  dcp_rank: int = 0,
+  dcp_interleave: int = 1,
+) -> Int[Array, " T"]:
   """Manager-unit slots for one KV-cache group.
 
   With decode context parallelism (``dcp_size > 1``) each rank keeps ``block_size`` tokens of
@@ -151,18 +158,26 @@ def compute_slot_mapping(
   if not uses_slot_mapping:
     return jnp.full(positions.shape, PAD_SLOT_ID, jnp.int32)
   _check_dcp(dcp_size, dcp_rank, dcp_interleave)
-  return token_slots(block_table, num_blocks_per_row, req_indices, positions.astype(jnp.int32), block_size=block_size,
-                     dcp_size=dcp_size, dcp_rank=dcp_rank, dcp_interleave=dcp_interleave)
+  return token_slots(
+    block_table,
+    num_blocks_per_row,
+    req_indices,
+    positions.astype(jnp.int32),
+    block_size=block_size,
+    dcp_size=dcp_size,
+    dcp_rank=dcp_rank,
+    dcp_interleave=dcp_interleave,
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("ring_size",))
 def compute_circular_slot_mapping(
-    block_table: Int[Array, "R W"],
-    req_indices: Int[Array, "T"],
-    positions: Int[Array, "T"],
-    *,
-    ring_size: int,
-) -> Int[Array, "T"]:
+  block_table: Int[Array, "R W"],
+  req_indices: Int[Array, " T"],
+  positions: Int[Array, " T"],
+  *,
+  ring_size: int,
+) -> Int[Array, " T"]:
   """Slots in a ``CircularBufferSpec`` ring: ``table[r, 0] * ring + p % ring``.
 
   In bounds for any position (a 500k-token prompt included): only column 0 is ever read. -1 for
@@ -173,14 +188,14 @@ def compute_circular_slot_mapping(
 
 @functools.partial(jax.jit, static_argnames=("states_per_page", "compress_ratio"))
 def compute_compressed_slot_mapping(
-    kernel_block_table: Int[Array, "R K"],
-    num_kernel_blocks_per_row: Int[Array, "R"],
-    req_indices: Int[Array, "T"],
-    positions: Int[Array, "T"],
-    *,
-    states_per_page: int,
-    compress_ratio: int,
-) -> Int[Array, "T"]:
+  kernel_block_table: Int[Array, "R K"],
+  num_kernel_blocks_per_row: Int[Array, " R"],
+  req_indices: Int[Array, " T"],
+  positions: Int[Array, " T"],
+  *,
+  states_per_page: int,
+  compress_ratio: int,
+) -> Int[Array, " T"]:
   """Page-unit slots of a compressed cache (e.g. pooled indexer keys), from the kernel table.
 
   The token completing a state (``(p + 1) % compress_ratio == 0``) gets the slot of state
@@ -188,20 +203,22 @@ def compute_compressed_slot_mapping(
   ``slot // P``, entry ``slot % P`` of the re-strided kernel view. Every other token gets -1.
   (vLLM's ``get_compressed_slot_mapping``.)
   """
+
   def page_of(req, kb):
     return _gather_block(kernel_block_table, num_kernel_blocks_per_row, req, kb)
 
-  return compressed_slots(page_of, req_indices, positions.astype(jnp.int32), states_per_page=states_per_page,
-                          compress_ratio=compress_ratio)
+  return compressed_slots(
+    page_of, req_indices, positions.astype(jnp.int32), states_per_page=states_per_page, compress_ratio=compress_ratio
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("num_tokens",))
 def req_indices_from_query_start_loc(
-    query_start_loc: Int[Array, "R1"],
-    num_reqs: Int[Array, ""],
-    *,
-    num_tokens: int,
-) -> Int[Array, "T"]:
+  query_start_loc: Int[Array, " R1"],
+  num_reqs: Int[Array, ""],
+  *,
+  num_tokens: int,
+) -> Int[Array, " T"]:
   """Row of each of ``num_tokens`` (bucketed) tokens: ``r`` for ``qsl[r] <= t < qsl[r+1]``, else -1."""
   t = jnp.arange(num_tokens, dtype=jnp.int32)
   r = jnp.searchsorted(query_start_loc[1:], t, side="right").astype(jnp.int32)

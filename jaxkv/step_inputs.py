@@ -30,10 +30,10 @@ class StepInputs:
       continues from (the last, ``num_speculative_tokens``, unless drafts were rejected).
   """
 
-  input_ids: Int[Array, "T"]
-  positions: Int[Array, "T"]
-  req_indices: Int[Array, "T"]
+  input_ids: Int[Array, " T"]
+  positions: Int[Array, " T"]
+  req_indices: Int[Array, " T"]
   block_tables: tuple[Int[Array, "R W"], ...]
-  num_blocks: tuple[Int[Array, "R"], ...]
+  num_blocks: tuple[Int[Array, " R"], ...]
   metadata: StepMetadata
-  state_slots: Int[Array, "R"]
+  state_slots: Int[Array, " R"]

@@ -46,8 +46,9 @@ class SlotGroup:
 
   def __post_init__(self):
     if self.kind not in SLOT_KINDS or self.block_size < 1:
-      raise ValueError(f"SlotGroup kind must be one of {SLOT_KINDS} with block_size >= 1, got {self.kind!r}, "
-                       f"{self.block_size}.")
+      raise ValueError(
+        f"SlotGroup kind must be one of {SLOT_KINDS} with block_size >= 1, got {self.kind!r}, {self.block_size}."
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,11 +72,15 @@ class KernelTableGroup:
 
   def __post_init__(self):
     if self.blocks_per_kernel_block < 1 or self.stride < self.blocks_per_kernel_block:
-      raise ValueError(f"blocks_per_kernel_block={self.blocks_per_kernel_block} must be >= 1 and "
-                       f"stride={self.stride} >= it (a block's kernel pages cannot overlap the next block's).")
+      raise ValueError(
+        f"blocks_per_kernel_block={self.blocks_per_kernel_block} must be >= 1 and "
+        f"stride={self.stride} >= it (a block's kernel pages cannot overlap the next block's)."
+      )
     if self.compressed and self.states_per_page < 1:
-      raise ValueError(f"a compressed cache (compress_ratio {self.compress_ratio}) needs states_per_page >= 1, "
-                       f"got {self.states_per_page}.")
+      raise ValueError(
+        f"a compressed cache (compress_ratio {self.compress_ratio}) needs states_per_page >= 1, "
+        f"got {self.states_per_page}."
+      )
 
   @property
   def compressed(self) -> bool:
@@ -106,20 +111,25 @@ class StepMetadataSpec:
     if self.implementation not in ("auto", "pallas", "xla"):
       raise ValueError(f"implementation must be 'auto', 'pallas' or 'xla', got {self.implementation!r}.")
     if not 0 <= self.dcp_rank < self.dcp_size or self.dcp_interleave < 1:
-      raise ValueError(f"invalid DCP sharding: rank {self.dcp_rank} of {self.dcp_size}, "
-                       f"interleave {self.dcp_interleave}.")
+      raise ValueError(
+        f"invalid DCP sharding: rank {self.dcp_rank} of {self.dcp_size}, interleave {self.dcp_interleave}."
+      )
     for i, ag in enumerate(self.attention_groups):
       if not 0 <= ag.kv_cache_group_id < len(self.slot_groups):
-        raise ValueError(f"attention group {i} names KV-cache group {ag.kv_cache_group_id}; the spec has "
-                         f"{len(self.slot_groups)}.")
+        raise ValueError(
+          f"attention group {i} names KV-cache group {ag.kv_cache_group_id}; the spec has {len(self.slot_groups)}."
+        )
       if (ag.mapped or ag.compressed) and self.slot_groups[ag.kv_cache_group_id].kind != "tokens":
-        raise ValueError(f"attention group {i} maps KV-cache group {ag.kv_cache_group_id}, a "
-                         f"{self.slot_groups[ag.kv_cache_group_id].kind!r} group; only token groups have kernel "
-                         "blocks.")
+        raise ValueError(
+          f"attention group {i} maps KV-cache group {ag.kv_cache_group_id}, a "
+          f"{self.slot_groups[ag.kv_cache_group_id].kind!r} group; only token groups have kernel "
+          "blocks."
+        )
 
   @classmethod
-  def from_plan(cls, plan, *, dcp_size: int = 1, dcp_rank: int = 0, dcp_interleave: int = 1,
-                implementation: str = "auto") -> StepMetadataSpec:
+  def from_plan(
+    cls, plan, *, dcp_size: int = 1, dcp_rank: int = 0, dcp_interleave: int = 1, implementation: str = "auto"
+  ) -> StepMetadataSpec:
     """The spec of a ``KVCacheConfig``'s groups and resolved attention groups."""
     slot_groups = []
     for g in plan.kv_cache_groups:
@@ -130,18 +140,25 @@ class StepMetadataSpec:
     for ag in plan.attention_groups:
       spec = ag.kv_cache_spec
       compressed = not spec.is_state and spec.tokens_per_state > 1
-      attention_groups.append(KernelTableGroup(
-          ag.kv_cache_group_id, ag.blocks_per_kernel_block, ag.stride, mapped=ag.kernel_block_size is not None,
+      attention_groups.append(
+        KernelTableGroup(
+          ag.kv_cache_group_id,
+          ag.blocks_per_kernel_block,
+          ag.stride,
+          mapped=ag.kernel_block_size is not None,
           states_per_page=ag.states_per_kernel_page if compressed else 0,
-          compress_ratio=spec.tokens_per_state if compressed else 0))
+          compress_ratio=spec.tokens_per_state if compressed else 0,
+        )
+      )
     return cls(tuple(slot_groups), tuple(attention_groups), dcp_size, dcp_rank, dcp_interleave, implementation)
 
   @property
   def slot_outputs(self) -> tuple[tuple[str, int], ...]:
     """The rows of the kernel's stacked slot output, in order: ``("group", g)`` per token or ring
     group, then ``("compressed", a)`` per compressed attention group."""
-    return (tuple(("group", g) for g, sg in enumerate(self.slot_groups) if sg.kind != "none")
-            + tuple(("compressed", a) for a, ag in enumerate(self.attention_groups) if ag.compressed))
+    return tuple(("group", g) for g, sg in enumerate(self.slot_groups) if sg.kind != "none") + tuple(
+      ("compressed", a) for a, ag in enumerate(self.attention_groups) if ag.compressed
+    )
 
   @property
   def mapped_groups(self) -> tuple[int, ...]:
@@ -149,8 +166,11 @@ class StepMetadataSpec:
     return tuple(a for a, ag in enumerate(self.attention_groups) if ag.mapped)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["slot_mappings", "compressed_slot_mappings",
-                                                                "kernel_block_tables"], meta_fields=["spec"])
+@functools.partial(
+  jax.tree_util.register_dataclass,
+  data_fields=["slot_mappings", "compressed_slot_mappings", "kernel_block_tables"],
+  meta_fields=["spec"],
+)
 @dataclasses.dataclass(frozen=True)
 class StepMetadata:
   """One step's metadata arrays (``compute_step_metadata``); None where a group has none.
@@ -166,7 +186,7 @@ class StepMetadata:
       table, None without a split (the manager table is read as is).
   """
 
-  slot_mappings: tuple[Int[Array, "T"] | None, ...]
-  compressed_slot_mappings: tuple[Int[Array, "T"] | None, ...]
+  slot_mappings: tuple[Int[Array, " T"] | None, ...]
+  compressed_slot_mappings: tuple[Int[Array, " T"] | None, ...]
   kernel_block_tables: tuple[Int[Array, "R Wk"] | None, ...]
   spec: StepMetadataSpec

@@ -76,8 +76,12 @@ class Tokenizer:
     for i, m in enumerate(messages):
       if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
         raise ValueError(f"message {i} must be an object with string 'role' and 'content', got {m!r}.")
-    return _compiled(self.chat_template).render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+    return _compiled(self.chat_template).render(
+      messages=list(messages),
+      add_generation_prompt=add_generation_prompt,
+      bos_token=self.bos_token or "",
+      eos_token=self.eos_token or "",
+    )
 
   def detokenizer(self, *, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
     return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)

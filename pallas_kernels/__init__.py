@@ -5,18 +5,18 @@ or ``"xla"`` (the reference). Measured numbers: ``docs/kernels.md``.
 """
 
 from pallas_kernels.cache_write import (
-    decode_entries,
-    encode_entries,
-    entry_bytes,
-    write_to_paged_cache,
-    write_to_paged_cache_reference,
+  decode_entries,
+  encode_entries,
+  entry_bytes,
+  write_to_paged_cache,
+  write_to_paged_cache_reference,
 )
 from pallas_kernels.kpool import (
-    combine_pool,
-    indexer_page_bytes,
-    kpool_compress_and_write,
-    kpool_compress_and_write_reference,
-    read_indexer_entries,
+  combine_pool,
+  indexer_page_bytes,
+  kpool_compress_and_write,
+  kpool_compress_and_write_reference,
+  read_indexer_entries,
 )
 from pallas_kernels.paged_mqa_logits import paged_mqa_logits, paged_mqa_logits_reference
 from pallas_kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_reference
@@ -24,22 +24,22 @@ from pallas_kernels.step_metadata import compute_step_metadata, compute_step_met
 from pallas_kernels.topk_selection import select_topk_tokens, select_topk_tokens_reference
 
 __all__ = [
-    "write_to_paged_cache",
-    "write_to_paged_cache_reference",
-    "encode_entries",
-    "decode_entries",
-    "entry_bytes",
-    "kpool_compress_and_write",
-    "kpool_compress_and_write_reference",
-    "combine_pool",
-    "indexer_page_bytes",
-    "read_indexer_entries",
-    "paged_mqa_logits",
-    "paged_mqa_logits_reference",
-    "select_topk_tokens",
-    "select_topk_tokens_reference",
-    "sparse_mla_decode",
-    "sparse_mla_decode_reference",
-    "compute_step_metadata",
-    "compute_step_metadata_reference",
+  "write_to_paged_cache",
+  "write_to_paged_cache_reference",
+  "encode_entries",
+  "decode_entries",
+  "entry_bytes",
+  "kpool_compress_and_write",
+  "kpool_compress_and_write_reference",
+  "combine_pool",
+  "indexer_page_bytes",
+  "read_indexer_entries",
+  "paged_mqa_logits",
+  "paged_mqa_logits_reference",
+  "select_topk_tokens",
+  "select_topk_tokens_reference",
+  "sparse_mla_decode",
+  "sparse_mla_decode_reference",
+  "compute_step_metadata",
+  "compute_step_metadata_reference",
 ]

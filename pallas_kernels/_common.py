@@ -7,6 +7,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
 # Registers Pallas's fuser config in JAX's tracing context now: imported lazily by the first
 # interpreted kernel, it would change that context after the engine's warm-up and retrace the step.
 from jax.experimental.pallas import fuser  # noqa: F401
@@ -63,8 +64,11 @@ def _cuda_shared_memory(ordinal: int) -> int | None:
   try:
     cuda = ctypes.CDLL("libcuda.so.1")
     dev, value = ctypes.c_int(), ctypes.c_int()
-    if (cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(dev), ordinal)
-        or cuda.cuDeviceGetAttribute(ctypes.byref(value), _CU_ATTR_SMEM_PER_BLOCK_OPTIN, dev)):
+    if (
+      cuda.cuInit(0)
+      or cuda.cuDeviceGet(ctypes.byref(dev), ordinal)
+      or cuda.cuDeviceGetAttribute(ctypes.byref(value), _CU_ATTR_SMEM_PER_BLOCK_OPTIN, dev)
+    ):
       return None
     return value.value
   except (OSError, AttributeError):
@@ -91,10 +95,12 @@ def check_byte_addressable(array: jax.Array, name: str, interpret: bool) -> None
   """
   nbytes = array.size * array.dtype.itemsize
   if not interpret and 2**31 < nbytes <= 2**32:
-    raise ValueError(f"{name} is {nbytes} bytes ({nbytes / 2**30:.2f} GiB): Pallas's Triton kernels address byte "
-                     "arrays of 2-4 GiB with 32-bit offsets, which do not reach past 2 GiB (64-bit offsets start "
-                     "above 4 GiB). Size each cache array at most 2 GiB or above 4 GiB (the KV-cache budget, "
-                     "--memory-gib).")
+    raise ValueError(
+      f"{name} is {nbytes} bytes ({nbytes / 2**30:.2f} GiB): Pallas's Triton kernels address byte "
+      "arrays of 2-4 GiB with 32-bit offsets, which do not reach past 2 GiB (64-bit offsets start "
+      "above 4 GiB). Size each cache array at most 2 GiB or above 4 GiB (the KV-cache budget, "
+      "--memory-gib)."
+    )
 
 
 def pow2_scale_exponent(amax: jax.Array) -> jax.Array:

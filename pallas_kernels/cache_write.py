@@ -23,22 +23,22 @@ from jaxtyping import Array, Int, UInt8
 from jaxkv.kernel_view import KernelView
 from jaxkv.utils import cdiv
 from pallas_kernels._common import (
-    FP8_DTYPE,
-    FP8_GROUP,
-    check_byte_addressable,
-    check_implementation,
-    default_interpret,
-    f32_bytes,
-    pow2_chunks,
-    quantize_fp8_pow2,
+  FP8_DTYPE,
+  FP8_GROUP,
+  check_byte_addressable,
+  check_implementation,
+  default_interpret,
+  f32_bytes,
+  pow2_chunks,
+  quantize_fp8_pow2,
 )
 
 __all__ = [
-    "write_to_paged_cache",
-    "write_to_paged_cache_reference",
-    "encode_entries",
-    "decode_entries",
-    "entry_bytes",
+  "write_to_paged_cache",
+  "write_to_paged_cache_reference",
+  "encode_entries",
+  "decode_entries",
+  "entry_bytes",
 ]
 
 
@@ -68,7 +68,7 @@ def decode_entries(entries: UInt8[Array, "T E"], cache_dtype: str, dim: int) -> 
     return jax.lax.bitcast_convert_type(entries.reshape(t, dim, -1), jnp.dtype(cache_dtype))
   groups = cdiv(dim, FP8_GROUP)
   values = jax.lax.bitcast_convert_type(entries[:, :dim], FP8_DTYPE).astype(jnp.float32)
-  scales = jax.lax.bitcast_convert_type(entries[:, dim:dim + 4 * groups].reshape(t, groups, 4), jnp.float32)
+  scales = jax.lax.bitcast_convert_type(entries[:, dim : dim + 4 * groups].reshape(t, groups, 4), jnp.float32)
   return values * jnp.repeat(scales, FP8_GROUP, axis=1)[:, :dim]
 
 
@@ -90,8 +90,10 @@ def _cache_write_kernel(slots_ref, entries_ref, cache_in_ref, cache_ref, *, view
 
 def _validate(cache, entries, slots, view: KernelView):
   if cache.ndim != 2 or cache.dtype != jnp.uint8 or cache.size % view.row_bytes:
-    raise ValueError(f"cache must be uint8[num_rows, row_bytes] of whole {view.row_bytes}-byte view rows of "
-                     f"{view.layer_name}, got {cache.dtype}{list(cache.shape)}.")
+    raise ValueError(
+      f"cache must be uint8[num_rows, row_bytes] of whole {view.row_bytes}-byte view rows of "
+      f"{view.layer_name}, got {cache.dtype}{list(cache.shape)}."
+    )
   if entries.ndim != 2 or entries.dtype != jnp.uint8:
     raise ValueError(f"entries must be uint8[num_tokens, entry_bytes], got {entries.dtype}{list(entries.shape)}.")
   if slots.shape != entries.shape[:1] or slots.dtype != jnp.int32:
@@ -99,24 +101,24 @@ def _validate(cache, entries, slots, view: KernelView):
   end = view.offset_bytes + view.tokens_per_row * entries.shape[1]
   if view.tokens_per_row <= 0 or view.offset_bytes < 0 or end > view.row_bytes:
     raise ValueError(
-        f"a page of {view.tokens_per_row} entries of {entries.shape[1]} bytes at offset {view.offset_bytes} "
-        f"ends at byte {end}, past the view row of {view.row_bytes} bytes ({view.layer_name})."
+      f"a page of {view.tokens_per_row} entries of {entries.shape[1]} bytes at offset {view.offset_bytes} "
+      f"ends at byte {end}, past the view row of {view.row_bytes} bytes ({view.layer_name})."
     )
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=("view", "implementation", "interpret"),
-    donate_argnames=("cache",),
+  jax.jit,
+  static_argnames=("view", "implementation", "interpret"),
+  donate_argnames=("cache",),
 )
 def write_to_paged_cache(
-    cache: UInt8[Array, "N R"],
-    entries: UInt8[Array, "T E"],
-    slots: Int[Array, "T"],
-    *,
-    view: KernelView,
-    implementation: str = "pallas",
-    interpret: bool | None = None,
+  cache: UInt8[Array, "N R"],
+  entries: UInt8[Array, "T E"],
+  slots: Int[Array, " T"],
+  *,
+  view: KernelView,
+  implementation: str = "pallas",
+  interpret: bool | None = None,
 ) -> UInt8[Array, "N R"]:
   """Writes ``entries[t]`` at manager-unit slot ``slots[t]`` of one layer; the cache is donated.
 
@@ -135,14 +137,14 @@ def write_to_paged_cache(
   check_byte_addressable(rows, f"the cache array of {view.layer_name}", default_interpret(interpret))
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   return pl.pallas_call(
-      functools.partial(_cache_write_kernel, view=view),
-      out_shape=jax.ShapeDtypeStruct(rows.shape, rows.dtype),
-      grid=(entries.shape[0],),
-      in_specs=[any_spec, any_spec, any_spec],
-      out_specs=any_spec,
-      input_output_aliases={2: 0},
-      interpret=default_interpret(interpret),
-      name="cache_write",
+    functools.partial(_cache_write_kernel, view=view),
+    out_shape=jax.ShapeDtypeStruct(rows.shape, rows.dtype),
+    grid=(entries.shape[0],),
+    in_specs=[any_spec, any_spec, any_spec],
+    out_specs=any_spec,
+    input_output_aliases={2: 0},
+    interpret=default_interpret(interpret),
+    name="cache_write",
   )(slots, entries, rows).reshape(cache.shape)
 
 

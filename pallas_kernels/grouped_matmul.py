@@ -40,17 +40,21 @@ def _tokamax_available() -> bool:
 
 @functools.cache  # once per process
 def _warn_no_tokamax() -> None:
-  warnings.warn("the MoE's grouped matmul runs as XLA's ragged_dot on this GPU because tokamax is not "
-                "installed; ragged_dot reads every expert's weights each step (4.5x slower decode at batch 1 "
-                "on the H200, docs/performance.md). Install the '.[cuda13]' or '.[cuda12]' extra.",
-                RuntimeWarning, stacklevel=3)
+  warnings.warn(
+    "the MoE's grouped matmul runs as XLA's ragged_dot on this GPU because tokamax is not "
+    "installed; ragged_dot reads every expert's weights each step (4.5x slower decode at batch 1 "
+    "on the H200, docs/performance.md). Install the '.[cuda13]' or '.[cuda12]' extra.",
+    RuntimeWarning,
+    stacklevel=3,
+  )
 
 
 def resolve_implementation(implementation: str, dtype=jnp.bfloat16) -> str:
   """The implementation ``implementation`` runs as (``"auto"`` resolved)."""
   if implementation not in GROUPED_MATMUL_IMPLEMENTATIONS:
-    raise ValueError(f"grouped matmul implementation must be one of {GROUPED_MATMUL_IMPLEMENTATIONS}, "
-                     f"got {implementation!r}.")
+    raise ValueError(
+      f"grouped matmul implementation must be one of {GROUPED_MATMUL_IMPLEMENTATIONS}, got {implementation!r}."
+    )
   if implementation == "auto":
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     if not (half and jax.default_backend() in ("gpu", "cuda")):
@@ -60,8 +64,9 @@ def resolve_implementation(implementation: str, dtype=jnp.bfloat16) -> str:
       return "xla"
     return "tokamax"
   if implementation == "tokamax" and not _tokamax_available():
-    raise ValueError("implementation='tokamax' needs the tokamax package (pip install tokamax, or the "
-                     "'.[cuda13]' extra); use 'xla'.")
+    raise ValueError(
+      "implementation='tokamax' needs the tokamax package (pip install tokamax, or the '.[cuda13]' extra); use 'xla'."
+    )
   return implementation
 
 
@@ -78,12 +83,12 @@ def prepare_grouped_matmul(implementation: str = "auto", dtype=jnp.bfloat16) -> 
 
 
 def grouped_matmul(
-    lhs: Float[Array, "M K"],
-    rhs: Float[Array, "G K N"],
-    group_sizes: Int[Array, "G"],
-    *,
-    precision=None,
-    implementation: str = "auto",
+  lhs: Float[Array, "M K"],
+  rhs: Float[Array, "G K N"],
+  group_sizes: Int[Array, " G"],
+  *,
+  precision=None,
+  implementation: str = "auto",
 ) -> Float[Array, "M N"]:
   """``lhs`` rows grouped by ``group_sizes`` times their group's ``rhs`` matrix, in ``lhs.dtype``.
 
@@ -103,8 +108,9 @@ def grouped_matmul(
   if impl == "tokamax":
     import tokamax
 
-    return tokamax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), preferred_element_type=lhs.dtype,
-                              implementation="mosaic")
+    return tokamax.ragged_dot(
+      lhs, rhs, group_sizes.astype(jnp.int32), preferred_element_type=lhs.dtype, implementation="mosaic"
+    )
   return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision)
 
 

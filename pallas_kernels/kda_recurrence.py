@@ -34,8 +34,23 @@ from pallas_kernels._common import default_interpret, resolve_implementation
 __all__ = ["fused_recurrent_kda", "fused_recurrent_kda_reference", "delta_rule_step"]
 
 
-def _kda_kernel(start_ref, len_ref, slot_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, states_in_ref,
-                o_ref, states_ref, *, block_v, num_slots):
+def _kda_kernel(
+  start_ref,
+  len_ref,
+  slot_ref,
+  q_ref,
+  k_ref,
+  v_ref,
+  g_ref,
+  beta_ref,
+  state_ref,
+  states_in_ref,
+  o_ref,
+  states_ref,
+  *,
+  block_v,
+  num_slots,
+):
   # start_ref / len_ref: [R] first flat token and token count of each request; slot_ref: [T];
   # q/k/g: [T, H, K], v: [T, H, V], beta: [T, H]; state_ref: [R, H, K, V];
   # o_ref: [T, H, V]; states_ref: [R, S, H, K, V] (aliases states_in_ref).
@@ -72,8 +87,10 @@ def _validate(q, k, v, g, beta, state, states, req_indices, slot):
   t, h, kd = q.shape
   r, _, _, vd = state.shape
   if k.shape != q.shape or g.shape != q.shape or v.shape != (t, h, vd) or beta.shape != (t, h):
-    raise ValueError(f"q, k, g must be [T, H, K], v [T, H, V] and beta [T, H] of one T, H; got q {list(q.shape)}, "
-                     f"k {list(k.shape)}, g {list(g.shape)}, v {list(v.shape)}, beta {list(beta.shape)}.")
+    raise ValueError(
+      f"q, k, g must be [T, H, K], v [T, H, V] and beta [T, H] of one T, H; got q {list(q.shape)}, "
+      f"k {list(k.shape)}, g {list(g.shape)}, v {list(v.shape)}, beta {list(beta.shape)}."
+    )
   if state.shape != (r, h, kd, vd):
     raise ValueError(f"state must be [R, H, K, V] = [R, {h}, {kd}, {vd}], got {list(state.shape)}.")
   if states.ndim != 5 or states.shape[0] != r or states.shape[2:] != (h, kd, vd):
@@ -85,23 +102,24 @@ def _validate(q, k, v, g, beta, state, states, req_indices, slot):
     raise ValueError("q, k, v, g, beta and the states must be float32 (the recurrence runs in float32).")
 
 
-@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "implementation", "interpret"),
-                   donate_argnames=("states",))
+@functools.partial(
+  jax.jit, static_argnames=("block_v", "num_warps", "implementation", "interpret"), donate_argnames=("states",)
+)
 def fused_recurrent_kda(
-    q: Float[Array, "T H K"],
-    k: Float[Array, "T H K"],
-    v: Float[Array, "T H V"],
-    g: Float[Array, "T H K"],
-    beta: Float[Array, "T H"],
-    state: Float[Array, "R H K V"],
-    states: Float[Array, "R S H K V"],
-    req_indices: Int[Array, "T"],
-    slot: Int[Array, "T"],
-    *,
-    block_v: int = 32,
-    num_warps: int = 4,
-    implementation: str = "auto",
-    interpret: bool | None = None,
+  q: Float[Array, "T H K"],
+  k: Float[Array, "T H K"],
+  v: Float[Array, "T H V"],
+  g: Float[Array, "T H K"],
+  beta: Float[Array, "T H"],
+  state: Float[Array, "R H K V"],
+  states: Float[Array, "R S H K V"],
+  req_indices: Int[Array, " T"],
+  slot: Int[Array, " T"],
+  *,
+  block_v: int = 32,
+  num_warps: int = 4,
+  implementation: str = "auto",
+  interpret: bool | None = None,
 ) -> tuple[Float[Array, "T H V"], Float[Array, "R S H K V"]]:
   """The delta rule over each request's tokens; returns ``(o, states)``.
 
@@ -133,15 +151,15 @@ def fused_recurrent_kda(
   count = jnp.zeros((r,), jnp.int32).at[seen].add(1, mode="drop")
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   o, states = pl.pallas_call(
-      functools.partial(_kda_kernel, block_v=bv, num_slots=num_slots),
-      out_shape=(jax.ShapeDtypeStruct((t, h, vd), jnp.float32), jax.ShapeDtypeStruct(states.shape, jnp.float32)),
-      grid=(r, h, vd // bv),
-      in_specs=[any_spec] * 10,
-      out_specs=(any_spec, any_spec),
-      input_output_aliases={9: 1},
-      interpret=default_interpret(interpret),
-      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
-      name="fused_recurrent_kda",
+    functools.partial(_kda_kernel, block_v=bv, num_slots=num_slots),
+    out_shape=(jax.ShapeDtypeStruct((t, h, vd), jnp.float32), jax.ShapeDtypeStruct(states.shape, jnp.float32)),
+    grid=(r, h, vd // bv),
+    in_specs=[any_spec] * 10,
+    out_specs=(any_spec, any_spec),
+    input_output_aliases={9: 1},
+    interpret=default_interpret(interpret),
+    compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+    name="fused_recurrent_kda",
   )(start, count, slot, q, k, v, g, beta, state, states)
   # Padding tokens belong to no program: their rows were never written.
   return jnp.where((req_indices >= 0)[:, None, None], o, 0.0), states
@@ -152,6 +170,7 @@ def fused_recurrent_kda_reference(q, k, v, g, beta, state, states, req_indices, 
   r, num_slots = states.shape[:2]
   dst = jnp.where(req_indices >= 0, req_indices, r)  # padding: out of range, dropped
   sl = jnp.where((slot >= 0) & (slot < num_slots), slot, num_slots)
+
   def step(carry, inp):
     s_all, states = carry
     d, sl_t, qt, kt, vt, gt, bt = inp

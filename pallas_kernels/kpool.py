@@ -35,23 +35,23 @@ from jaxtyping import Array, Float, Int, UInt8
 
 from jaxkv.kernel_view import KernelView
 from pallas_kernels._common import (
-    FP8_DTYPE,
-    check_byte_addressable,
-    check_implementation,
-    default_interpret,
-    quantize_fp8_pow2,
-    round_to_model_dtype,
-    value_bytes,
-    without_ref,
+  FP8_DTYPE,
+  check_byte_addressable,
+  check_implementation,
+  default_interpret,
+  quantize_fp8_pow2,
+  round_to_model_dtype,
+  value_bytes,
+  without_ref,
 )
 from pallas_kernels.cache_write import encode_entries, entry_bytes, write_to_paged_cache
 
 __all__ = [
-    "kpool_compress_and_write",
-    "kpool_compress_and_write_reference",
-    "combine_pool",
-    "indexer_page_bytes",
-    "read_indexer_entries",
+  "kpool_compress_and_write",
+  "kpool_compress_and_write_reference",
+  "combine_pool",
+  "indexer_page_bytes",
+  "read_indexer_entries",
 ]
 
 INDEXER_CACHE_DTYPES = ("fp8", "bfloat16", "float32")
@@ -65,8 +65,9 @@ def indexer_page_bytes(states_per_page: int, head_dim: int, cache_dtype: str) ->
 def combine_pool(keys: Float[Array, "... K D"], gates: Float[Array, "... K D"], ape: Float[Array, "K D"]):
   """Per-channel softmax over the pool's tokens of ``gate + ape`` weighting the keys (float32)."""
   k = keys.shape[-2]
-  return _combine_tokens([keys[..., i, :] for i in range(k)], [gates[..., i, :] for i in range(k)],
-                         [ape[i] for i in range(k)])
+  return _combine_tokens(
+    [keys[..., i, :] for i in range(k)], [gates[..., i, :] for i in range(k)], [ape[i] for i in range(k)]
+  )
 
 
 def _combine_tokens(keys, gates, apes):
@@ -88,8 +89,25 @@ def _encode_pooled(x: Float[Array, "... D"], model_dtype, cache_dtype: str):
   return value_bytes(q), value_bytes(scale)
 
 
-def _kpool_kernel(slots_ref, pos_ref, req_ref, tail_slots_ref, keys_ref, gates_ref, ape_ref, ring_ref, cache_in_ref,
-                 cache_ref, *, view: KernelView, cache_dtype, kpool, ring, ring_rows_per_block, tail_offset_bytes):
+def _kpool_kernel(
+  slots_ref,
+  pos_ref,
+  req_ref,
+  tail_slots_ref,
+  keys_ref,
+  gates_ref,
+  ape_ref,
+  ring_ref,
+  cache_in_ref,
+  cache_ref,
+  *,
+  view: KernelView,
+  cache_dtype,
+  kpool,
+  ring,
+  ring_rows_per_block,
+  tail_offset_bytes,
+):
   # slots_ref / pos_ref / req_ref / tail_slots_ref: [T]; keys_ref / gates_ref: [T, D]; ape_ref: [K, D];
   # ring_ref: uint8 [rows, W] holding the tail ring (tail block b is rows b * ring_rows_per_block...),
   # or None when the ring lives in the cache itself (read through cache_ref, which aliases
@@ -171,64 +189,90 @@ def _stash_slots(positions, req_indices, tail_slots, ring):
   """Tail slots of each request's last ``ring`` tokens of the step; -1 for the others."""
   t = positions.shape[0]
   later = jnp.minimum(jnp.arange(t) + ring, t - 1)
-  overwritten = (jnp.arange(t) + ring < t) & (req_indices[later] == req_indices) & (positions[later] == positions + ring)
+  overwritten = (
+    (jnp.arange(t) + ring < t) & (req_indices[later] == req_indices) & (positions[later] == positions + ring)
+  )
   return jnp.where(overwritten, -1, tail_slots)
 
 
-def _validate(cache, tail, keys, gates, ape, positions, req_indices, tail_slots, compressed_slots, *,
-              kpool, view: KernelView, tail_view: KernelView, cache_dtype):
+def _validate(
+  cache,
+  tail,
+  keys,
+  gates,
+  ape,
+  positions,
+  req_indices,
+  tail_slots,
+  compressed_slots,
+  *,
+  kpool,
+  view: KernelView,
+  tail_view: KernelView,
+  cache_dtype,
+):
   ring, states_per_page, base_row = tail_view.block_size, view.entries_per_page, view.base_row
   page_offset_bytes, tail_page_offset_bytes = view.offset_bytes, tail_view.offset_bytes
   t, d = keys.shape if keys.ndim == 2 else (None, None)
   if keys.ndim != 2 or gates.shape != keys.shape or gates.dtype != keys.dtype:
-    raise ValueError(f"keys and gates must be [num_tokens, D] of one dtype, got {keys.dtype}{list(keys.shape)} "
-                     f"and {gates.dtype}{list(gates.shape)}.")
+    raise ValueError(
+      f"keys and gates must be [num_tokens, D] of one dtype, got {keys.dtype}{list(keys.shape)} "
+      f"and {gates.dtype}{list(gates.shape)}."
+    )
   if keys.dtype not in (jnp.bfloat16, jnp.float32):
     raise ValueError(f"keys and gates must be bfloat16 or float32 (the model dtypes), got {keys.dtype}.")
   if ape.shape != (kpool, d):
     raise ValueError(f"ape must be [{kpool}, {d}], got {list(ape.shape)}.")
-  for name, a in (("positions", positions), ("req_indices", req_indices), ("tail_slots", tail_slots),
-                  ("compressed_slots", compressed_slots)):
+  for name, a in (
+    ("positions", positions),
+    ("req_indices", req_indices),
+    ("tail_slots", tail_slots),
+    ("compressed_slots", compressed_slots),
+  ):
     if a.shape != (t,) or a.dtype != jnp.int32:
       raise ValueError(f"{name} must be int32[{t}], got {a.dtype}{list(a.shape)}.")
   if cache_dtype not in INDEXER_CACHE_DTYPES:
     raise ValueError(f"cache_dtype must be one of {INDEXER_CACHE_DTYPES}, got {cache_dtype!r}.")
   page = indexer_page_bytes(states_per_page, d, cache_dtype)
   if cache.ndim != 2 or cache.dtype != jnp.uint8 or page_offset_bytes + page > cache.shape[1]:
-    raise ValueError(f"cache rows must hold a {page}-byte page ({states_per_page} entries of {d} channels, "
-                     f"{cache_dtype}) at byte {page_offset_bytes}, got {cache.dtype}{list(cache.shape)}.")
+    raise ValueError(
+      f"cache rows must hold a {page}-byte page ({states_per_page} entries of {d} channels, "
+      f"{cache_dtype}) at byte {page_offset_bytes}, got {cache.dtype}{list(cache.shape)}."
+    )
   if not 0 <= base_row < cache.shape[0]:
     raise ValueError(f"base_row {base_row} is outside the cache's {cache.shape[0]} pages.")
   if ring < kpool or ring % kpool:
     raise ValueError(f"the tail ring of {ring} slots must be a multiple of kpool {kpool}.")
   end = tail_page_offset_bytes + 2 * ring * d * keys.dtype.itemsize
   if tail.ndim != 2 or tail.dtype != jnp.uint8 or end > tail.shape[1]:
-    raise ValueError(f"tail must be uint8[num_blocks, row_bytes] holding a [2, {ring}, {d}] {keys.dtype} page at "
-                     f"byte {tail_page_offset_bytes}, got {tail.dtype}{list(tail.shape)}.")
+    raise ValueError(
+      f"tail must be uint8[num_blocks, row_bytes] holding a [2, {ring}, {d}] {keys.dtype} page at "
+      f"byte {tail_page_offset_bytes}, got {tail.dtype}{list(tail.shape)}."
+    )
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=("view", "tail_view", "kpool", "cache_dtype", "implementation", "interpret"),
-    donate_argnames=("cache", "tail"),
+  jax.jit,
+  static_argnames=("view", "tail_view", "kpool", "cache_dtype", "implementation", "interpret"),
+  donate_argnames=("cache", "tail"),
 )
 def kpool_compress_and_write(
-    cache: UInt8[Array, "N R"],
-    tail: UInt8[Array, "Nt Rt"] | None,
-    keys: Float[Array, "T D"],
-    gates: Float[Array, "T D"],
-    ape: Float[Array, "K D"],
-    positions: Int[Array, "T"],
-    req_indices: Int[Array, "T"],
-    tail_slots: Int[Array, "T"],
-    compressed_slots: Int[Array, "T"],
-    *,
-    view: KernelView,
-    tail_view: KernelView,
-    kpool: int,
-    cache_dtype: str = "fp8",
-    implementation: str = "pallas",
-    interpret: bool | None = None,
+  cache: UInt8[Array, "N R"],
+  tail: UInt8[Array, "Nt Rt"] | None,
+  keys: Float[Array, "T D"],
+  gates: Float[Array, "T D"],
+  ape: Float[Array, "K D"],
+  positions: Int[Array, " T"],
+  req_indices: Int[Array, " T"],
+  tail_slots: Int[Array, " T"],
+  compressed_slots: Int[Array, " T"],
+  *,
+  view: KernelView,
+  tail_view: KernelView,
+  kpool: int,
+  cache_dtype: str = "fp8",
+  implementation: str = "pallas",
+  interpret: bool | None = None,
 ):
   """Compresses completed pools into the indexer cache and stashes the step's tail tokens.
 
@@ -257,22 +301,52 @@ def kpool_compress_and_write(
   ring = tail_view.block_size
   rb = view.row_bytes
   if cache.ndim != 2 or cache.dtype != jnp.uint8 or cache.shape[1] % rb:
-    raise ValueError(f"cache must be uint8[num_rows, row_bytes] with rows of whole {rb}-byte view rows of "
-                     f"{view.layer_name}, got {cache.dtype}{list(cache.shape)}.")
+    raise ValueError(
+      f"cache must be uint8[num_rows, row_bytes] with rows of whole {rb}-byte view rows of "
+      f"{view.layer_name}, got {cache.dtype}{list(cache.shape)}."
+    )
   pages = cache.reshape(-1, rb)
-  _validate(pages, tail_rows, keys, gates, ape, positions, req_indices, tail_slots, compressed_slots, kpool=kpool,
-            view=view, tail_view=tail_view, cache_dtype=cache_dtype)
+  _validate(
+    pages,
+    tail_rows,
+    keys,
+    gates,
+    ape,
+    positions,
+    req_indices,
+    tail_slots,
+    compressed_slots,
+    kpool=kpool,
+    view=view,
+    tail_view=tail_view,
+    cache_dtype=cache_dtype,
+  )
   if implementation == "xla":
     # Read the pools' earlier tokens from the ring before this step overwrites it.
-    pool_k, pool_g = _pool_sources(tail_rows, keys, gates, positions, req_indices, tail_slots, kpool=kpool,
-                                   ring=ring, tail_page_offset_bytes=tail_view.offset_bytes)
+    pool_k, pool_g = _pool_sources(
+      tail_rows,
+      keys,
+      gates,
+      positions,
+      req_indices,
+      tail_slots,
+      kpool=kpool,
+      ring=ring,
+      tail_page_offset_bytes=tail_view.offset_bytes,
+    )
     pages = _write_pools_reference(pages, pool_k, pool_g, ape, compressed_slots, view=view, cache_dtype=cache_dtype)
   else:
     # One program per token (those completing no pool return at once), reading its pool from the
     # batch and the ring in place: no [T, kpool, D] pool copies in XLA.
-    kernel = functools.partial(_kpool_kernel, view=view, cache_dtype=cache_dtype, kpool=kpool, ring=ring,
-                               ring_rows_per_block=tail_rows.shape[1] // (rb if shared else tail_rows.shape[1]),
-                               tail_offset_bytes=tail_view.offset_bytes)
+    kernel = functools.partial(
+      _kpool_kernel,
+      view=view,
+      cache_dtype=cache_dtype,
+      kpool=kpool,
+      ring=ring,
+      ring_rows_per_block=tail_rows.shape[1] // (rb if shared else tail_rows.shape[1]),
+      tail_offset_bytes=tail_view.offset_bytes,
+    )
     check_byte_addressable(pages, f"the indexer cache array of {view.layer_name}", default_interpret(interpret))
     if not shared:
       check_byte_addressable(tail, f"the tail ring array of {tail_view.layer_name}", default_interpret(interpret))
@@ -283,14 +357,14 @@ def kpool_compress_and_write(
       operands.append(tail)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     pages = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct(pages.shape, pages.dtype),
-        grid=(keys.shape[0],),
-        in_specs=[any_spec] * (len(operands) + 1),
-        out_specs=any_spec,
-        input_output_aliases={len(operands): 0},
-        interpret=default_interpret(interpret),
-        name="kpool_compress",
+      kernel,
+      out_shape=jax.ShapeDtypeStruct(pages.shape, pages.dtype),
+      grid=(keys.shape[0],),
+      in_specs=[any_spec] * (len(operands) + 1),
+      out_specs=any_spec,
+      input_output_aliases={len(operands): 0},
+      interpret=default_interpret(interpret),
+      name="kpool_compress",
     )(*operands, pages)
   cache = pages.reshape(cache.shape)
   # Stash the raw keys (head slot 0) and gates (head slot 1) of each request's last ring tokens.
@@ -298,9 +372,14 @@ def kpool_compress_and_write(
   tail_rows = cache if shared else tail
   head_bytes = ring * keys.shape[1] * keys.dtype.itemsize
   for head, x in enumerate((keys, gates)):
-    tail_rows = write_to_paged_cache(tail_rows, encode_entries(x, jnp.dtype(keys.dtype).name), stash,
-                                     view=tail_view.with_offset(head * head_bytes), implementation=implementation,
-                                     interpret=interpret)
+    tail_rows = write_to_paged_cache(
+      tail_rows,
+      encode_entries(x, jnp.dtype(keys.dtype).name),
+      stash,
+      view=tail_view.with_offset(head * head_bytes),
+      implementation=implementation,
+      interpret=interpret,
+    )
   return (tail_rows, None) if shared else (cache, tail_rows)
 
 
@@ -315,26 +394,32 @@ def _write_pools_reference(cache, pool_k, pool_g, ape, slots, *, view: KernelVie
   cache = cache.at[rows[:, None], page_offset + entry * width + jnp.arange(width)].set(values, mode="drop")
   if scale is not None:
     cache = cache.at[rows[:, None], page_offset + states_per_page * width + entry * 4 + jnp.arange(4)].set(
-        scale, mode="drop")
+      scale, mode="drop"
+    )
   return cache
 
 
-def kpool_compress_and_write_reference(cache, tail, keys, gates, ape, positions, req_indices, tail_slots,
-                                       compressed_slots, **kwargs):
+def kpool_compress_and_write_reference(
+  cache, tail, keys, gates, ape, positions, req_indices, tail_slots, compressed_slots, **kwargs
+):
   """Plain jnp (XLA) implementation with the same arguments."""
-  return kpool_compress_and_write(cache, tail, keys, gates, ape, positions, req_indices, tail_slots,
-                                  compressed_slots, **kwargs, implementation="xla")
+  return kpool_compress_and_write(
+    cache, tail, keys, gates, ape, positions, req_indices, tail_slots, compressed_slots, **kwargs, implementation="xla"
+  )
 
 
-def read_indexer_entries(cache: UInt8[Array, "N Rb"], kernel_blocks: Int[Array, "..."], *, view: KernelView,
-                         head_dim: int, cache_dtype: str) -> tuple[jax.Array, jax.Array]:
+def read_indexer_entries(
+  cache: UInt8[Array, "N Rb"], kernel_blocks: Int[Array, "..."], *, view: KernelView, head_dim: int, cache_dtype: str
+) -> tuple[jax.Array, jax.Array]:
   """Entries of whole kernel pages ``[..., P, D]`` (float32 values as stored) and their scales ``[..., P]``."""
   p, d = view.entries_per_page, head_dim
   page = indexer_page_bytes(p, d, cache_dtype)
-  rows = cache.reshape(-1, view.row_bytes)[view.base_row + kernel_blocks][..., view.offset_bytes:view.offset_bytes + page]
+  rows = cache.reshape(-1, view.row_bytes)[view.base_row + kernel_blocks][
+    ..., view.offset_bytes : view.offset_bytes + page
+  ]
   if cache_dtype == "fp8":
     values = jax.lax.bitcast_convert_type(rows[..., : p * d], FP8_DTYPE).astype(jnp.float32)
-    scales = jax.lax.bitcast_convert_type(rows[..., p * d: p * d + 4 * p].reshape(*rows.shape[:-1], p, 4), jnp.float32)
+    scales = jax.lax.bitcast_convert_type(rows[..., p * d : p * d + 4 * p].reshape(*rows.shape[:-1], p, 4), jnp.float32)
     return values.reshape(*rows.shape[:-1], p, d), scales
   itemsize = jnp.dtype(cache_dtype).itemsize
   values = jax.lax.bitcast_convert_type(rows.reshape(*rows.shape[:-1], p, d, itemsize), jnp.dtype(cache_dtype))

@@ -24,21 +24,35 @@ from jaxtyping import Array, Float, Int, UInt8
 from jaxkv.kernel_view import KernelView
 from jaxkv.utils import cdiv
 from pallas_kernels._common import (
-    FP8_DTYPE,
-    MIN_DOT_ROWS,
-    check_byte_addressable,
-    check_implementation,
-    default_interpret,
-    device_shared_memory_bytes,
-    without_ref,
+  FP8_DTYPE,
+  MIN_DOT_ROWS,
+  check_byte_addressable,
+  check_implementation,
+  default_interpret,
+  device_shared_memory_bytes,
+  without_ref,
 )
 from pallas_kernels.kpool import INDEXER_CACHE_DTYPES, indexer_page_bytes, read_indexer_entries
 
 __all__ = ["paged_mqa_logits", "paged_mqa_logits_reference", "paged_mqa_logits_stages"]
 
 
-def _paged_mqa_logits_kernel(q_ref, w_ref, ctx_ref, kt_ref, values_ref, scales_ref, out_ref, *,
-                             base_row, entry_row, scale_word, states_per_page, next_n, pages_per_program):
+def _paged_mqa_logits_kernel(
+  q_ref,
+  w_ref,
+  ctx_ref,
+  kt_ref,
+  values_ref,
+  scales_ref,
+  out_ref,
+  *,
+  base_row,
+  entry_row,
+  scale_word,
+  states_per_page,
+  next_n,
+  pages_per_program,
+):
   # q_ref: [B, next_n, H, D]; w_ref: [B * next_n, H]; ctx_ref: [B, next_n]; kt_ref: [B, num_pages];
   # values_ref: [rows, row_bytes // D, D] as values (a page's P entries start at entry_row);
   # scales_ref: [rows, row_bytes // 4] f32 (a page's scales start at scale_word) or None;
@@ -86,8 +100,15 @@ def _paged_mqa_logits_kernel(q_ref, w_ref, ctx_ref, kt_ref, values_ref, scales_r
   jax.lax.fori_loop(live, pages_per_program, fill, 0)
 
 
-def paged_mqa_logits_stages(heads: int, next_n: int, head_dim: int, states_per_page: int, cache_dtype: str,
-                            shared_memory_bytes: int | None, num_stages: int = 3) -> int:
+def paged_mqa_logits_stages(
+  heads: int,
+  next_n: int,
+  head_dim: int,
+  states_per_page: int,
+  cache_dtype: str,
+  shared_memory_bytes: int | None,
+  num_stages: int = 3,
+) -> int:
   """Pipeline stages (at most ``num_stages``) whose shared memory fits ``shared_memory_bytes``
   (None: no limit): each stage holds one page ``[P, D]`` of keys in the dot dtype (float32 for
   float32 keys, else bf16); the ``next_n`` queries ``[H, D]`` and the scores ``[H, P]`` (float32)
@@ -104,10 +125,12 @@ def paged_mqa_logits_stages(heads: int, next_n: int, head_dim: int, states_per_p
     need = stages * states_per_page * head_dim * item + fixed
     if shared_memory_bytes is None or need <= shared_memory_bytes:
       return stages
-  raise ValueError(f"paged_mqa_logits: {next_n} query rows of {heads} heads x {head_dim} {cache_dtype} channels over "
-                   f"{states_per_page}-entry pages need {need:,} bytes of shared memory, more than the "
-                   f"{shared_memory_bytes:,} this device gives one program; run it with implementation='xla' "
-                   "(--implementation xla) or a narrower --indexer-cache-dtype.")
+  raise ValueError(
+    f"paged_mqa_logits: {next_n} query rows of {heads} heads x {head_dim} {cache_dtype} channels over "
+    f"{states_per_page}-entry pages need {need:,} bytes of shared memory, more than the "
+    f"{shared_memory_bytes:,} this device gives one program; run it with implementation='xla' "
+    "(--implementation xla) or a narrower --indexer-cache-dtype."
+  )
 
 
 def _validate(q, pages, weights, context_lens, kernel_block_table, view: KernelView, cache_dtype):
@@ -120,41 +143,58 @@ def _validate(q, pages, weights, context_lens, kernel_block_table, view: KernelV
   if context_lens.shape != (b, next_n) or context_lens.dtype != jnp.int32:
     raise ValueError(f"context_lens must be int32[{b}, {next_n}], got {context_lens.dtype}{list(context_lens.shape)}.")
   if kernel_block_table.ndim != 2 or kernel_block_table.shape[0] != b or kernel_block_table.dtype != jnp.int32:
-    raise ValueError(f"kernel_block_table must be int32[{b}, max_pages], got "
-                     f"{kernel_block_table.dtype}{list(kernel_block_table.shape)}.")
+    raise ValueError(
+      f"kernel_block_table must be int32[{b}, max_pages], got "
+      f"{kernel_block_table.dtype}{list(kernel_block_table.shape)}."
+    )
   if cache_dtype not in INDEXER_CACHE_DTYPES:
     raise ValueError(f"cache_dtype must be one of {INDEXER_CACHE_DTYPES}, got {cache_dtype!r}.")
   page = indexer_page_bytes(states_per_page, d, cache_dtype)
   rb = view.row_bytes
   elem = d * (1 if cache_dtype == "fp8" else jnp.dtype(cache_dtype).itemsize)
-  if (pages.ndim != 2 or pages.dtype != jnp.uint8 or pages.shape[1] % rb or rb % elem or page_offset_bytes % elem
-      or page_offset_bytes + page > rb):
-    raise ValueError(f"pages must be uint8[num_rows, row_bytes] of whole {rb}-byte view rows holding a {page}-byte "
-                     f"page ({states_per_page} entries of {d} {cache_dtype} channels) at byte {page_offset_bytes}, "
-                     f"rows and offset multiples of {elem} bytes; got {pages.dtype}{list(pages.shape)}.")
+  if (
+    pages.ndim != 2
+    or pages.dtype != jnp.uint8
+    or pages.shape[1] % rb
+    or rb % elem
+    or page_offset_bytes % elem
+    or page_offset_bytes + page > rb
+  ):
+    raise ValueError(
+      f"pages must be uint8[num_rows, row_bytes] of whole {rb}-byte view rows holding a {page}-byte "
+      f"page ({states_per_page} entries of {d} {cache_dtype} channels) at byte {page_offset_bytes}, "
+      f"rows and offset multiples of {elem} bytes; got {pages.dtype}{list(pages.shape)}."
+    )
   if not 0 <= base_row < pages.shape[0] * pages.shape[1] // rb:
     raise ValueError(f"base_row {base_row} is outside the {pages.shape[0] * pages.shape[1] // rb} view rows.")
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=("view", "cache_dtype", "pages_per_program", "num_warps", "num_stages", "implementation",
-                     "interpret"),
+  jax.jit,
+  static_argnames=(
+    "view",
+    "cache_dtype",
+    "pages_per_program",
+    "num_warps",
+    "num_stages",
+    "implementation",
+    "interpret",
+  ),
 )
 def paged_mqa_logits(
-    q: Float[Array, "B N H D"],
-    pages: UInt8[Array, "R Rb"],
-    weights: Float[Array, "BN H"],
-    context_lens: Int[Array, "B N"],
-    kernel_block_table: Int[Array, "B M"],
-    *,
-    view: KernelView,
-    cache_dtype: str = "fp8",
-    pages_per_program: int | None = None,
-    num_warps: int | None = 4,
-    num_stages: int | None = 3,
-    implementation: str = "pallas",
-    interpret: bool | None = None,
+  q: Float[Array, "B N H D"],
+  pages: UInt8[Array, "R Rb"],
+  weights: Float[Array, "BN H"],
+  context_lens: Int[Array, "B N"],
+  kernel_block_table: Int[Array, "B M"],
+  *,
+  view: KernelView,
+  cache_dtype: str = "fp8",
+  pages_per_program: int | None = None,
+  num_warps: int | None = 4,
+  num_stages: int | None = 3,
+  implementation: str = "pallas",
+  interpret: bool | None = None,
 ) -> Float[Array, "BN E"]:
   """Index scores of every visible pooled entry, ``float32[B * next_n, num_pages * P]``.
 
@@ -178,8 +218,9 @@ def paged_mqa_logits(
   check_implementation(implementation)
   _validate(q, pages, weights, context_lens, kernel_block_table, view, cache_dtype)
   if implementation == "xla":
-    return paged_mqa_logits_reference(q, pages, weights, context_lens, kernel_block_table, view=view,
-                                      cache_dtype=cache_dtype)
+    return paged_mqa_logits_reference(
+      q, pages, weights, context_lens, kernel_block_table, view=view, cache_dtype=cache_dtype
+    )
   b, next_n, h, d = q.shape
   p = view.entries_per_page
   interpret = default_interpret(interpret)
@@ -211,36 +252,49 @@ def paged_mqa_logits(
   if num_chunks * ppp != num_pages:  # whole chunks: pad the table with null pages (masked anyway)
     kernel_block_table = jnp.pad(kernel_block_table, ((0, 0), (0, num_chunks * ppp - num_pages)))
   elem = d * (1 if cache_dtype == "fp8" else jnp.dtype(cache_dtype).itemsize)
-  kernel = functools.partial(_paged_mqa_logits_kernel, base_row=view.base_row, entry_row=view.offset_bytes // elem,
-                             scale_word=(view.offset_bytes + p * d) // 4, states_per_page=p,
-                             next_n=next_n, pages_per_program=ppp)
+  kernel = functools.partial(
+    _paged_mqa_logits_kernel,
+    base_row=view.base_row,
+    entry_row=view.offset_bytes // elem,
+    scale_word=(view.offset_bytes + p * d) // 4,
+    states_per_page=p,
+    next_n=next_n,
+    pages_per_program=ppp,
+  )
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   operands = [q, weights, context_lens, kernel_block_table, values] + ([scales] if scales is not None else [])
   if scales is None:
     kernel = without_ref(kernel, 5)
   out = pl.pallas_call(
-      kernel,
-      out_shape=jax.ShapeDtypeStruct((b * next_n, num_chunks * ppp * p), jnp.float32),
-      grid=(b, num_chunks),
-      in_specs=[any_spec] * len(operands),
-      out_specs=any_spec,
-      interpret=interpret,
-      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-      name="paged_mqa_logits",
+    kernel,
+    out_shape=jax.ShapeDtypeStruct((b * next_n, num_chunks * ppp * p), jnp.float32),
+    grid=(b, num_chunks),
+    in_specs=[any_spec] * len(operands),
+    out_specs=any_spec,
+    interpret=interpret,
+    compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+    name="paged_mqa_logits",
   )(*operands)
   return out[:, : num_pages * p]
 
 
-def paged_mqa_logits_reference(q, pages, weights, context_lens, kernel_block_table, *, view: KernelView,
-                               cache_dtype: str = "fp8"):
+def paged_mqa_logits_reference(
+  q, pages, weights, context_lens, kernel_block_table, *, view: KernelView, cache_dtype: str = "fp8"
+):
   """Plain jnp: gather the pages, einsum, ReLU, head-weighted sum, scale, mask."""
   b, next_n, h, d = q.shape
   p = view.entries_per_page
   m = kernel_block_table.shape[1]
-  vals, scales = read_indexer_entries(pages, kernel_block_table, view=view, head_dim=d,
-                                      cache_dtype=cache_dtype)  # [B,M,P,D], [B,M,P]
-  s = jnp.einsum("bnhd,bmpd->bnhmp", q.astype(jnp.float32), vals, precision=jax.lax.Precision.HIGHEST,
-                 preferred_element_type=jnp.float32)
+  vals, scales = read_indexer_entries(
+    pages, kernel_block_table, view=view, head_dim=d, cache_dtype=cache_dtype
+  )  # [B,M,P,D], [B,M,P]
+  s = jnp.einsum(
+    "bnhd,bmpd->bnhmp",
+    q.astype(jnp.float32),
+    vals,
+    precision=jax.lax.Precision.HIGHEST,
+    preferred_element_type=jnp.float32,
+  )
   w = weights.reshape(b, next_n, h)
   logits = jnp.einsum("bnhmp,bnh->bnmp", jnp.maximum(s, 0.0), w) * scales[:, None]
   logits = logits.reshape(b * next_n, m * p)

@@ -29,14 +29,14 @@ from jaxkv.kernel_view import KernelView
 from jaxkv.slot_mapping import block_slots
 from jaxkv.utils import cdiv
 from pallas_kernels._common import (
-    FP8_DTYPE,
-    FP8_GROUP,
-    MIN_DOT_ROWS,
-    check_byte_addressable,
-    check_implementation,
-    default_interpret,
-    device_shared_memory_bytes,
-    without_ref,
+  FP8_DTYPE,
+  FP8_GROUP,
+  MIN_DOT_ROWS,
+  check_byte_addressable,
+  check_implementation,
+  default_interpret,
+  device_shared_memory_bytes,
+  without_ref,
 )
 from pallas_kernels.cache_write import decode_entries, entry_bytes
 
@@ -53,8 +53,23 @@ def _token_rows(block_table, req, tok, *, view: KernelView, entry_bytes_: int):
   return view.base_row + slot // view.tokens_per_row, view.offset_bytes + (slot % view.tokens_per_row) * entry_bytes_
 
 
-def _sparse_mla_kernel(q_ref, rows_ref, cols_ref, count_ref, values_ref, scales_ref, acc_ref, m_ref, l_ref, *,
-                       latent_dim, block_k, blocks_per_split, sm_scale, cache_dtype):
+def _sparse_mla_kernel(
+  q_ref,
+  rows_ref,
+  cols_ref,
+  count_ref,
+  values_ref,
+  scales_ref,
+  acc_ref,
+  m_ref,
+  l_ref,
+  *,
+  latent_dim,
+  block_k,
+  blocks_per_split,
+  sm_scale,
+  cache_dtype,
+):
   # q_ref: [T, Hp, L]; rows_ref / cols_ref: [T, Kp] latent row (-1: none) and element column, the
   # selected rows of each query first; count_ref: [T] selected rows per query;
   # values_ref: [rows, row_elems]; scales_ref: [rows, row_words] f32 (fp8) or None;
@@ -83,8 +98,9 @@ def _sparse_mla_kernel(q_ref, rows_ref, cols_ref, count_ref, values_ref, scales_
     else:  # fp8 (Triton has no fp8 fill value): one fp32 scale per group of values, right after the values
       group = min(l, FP8_GROUP)
       c = pltriton.load(values_ref.at[row[:, None], cols], mask=valid[:, None]).astype(jnp.float32)
-      sc = pltriton.load(scales_ref.at[row[:, None], ((col + l) // 4)[:, None] + jnp.arange(l // group)[None, :]],
-                         mask=valid[:, None])  # [BK, G]
+      sc = pltriton.load(
+        scales_ref.at[row[:, None], ((col + l) // 4)[:, None] + jnp.arange(l // group)[None, :]], mask=valid[:, None]
+      )  # [BK, G]
       c = (c.reshape(block_k, l // group, group) * sc[:, :, None]).reshape(block_k, l)
       c = jnp.where(valid[:, None], c, 0.0).astype(dot_dtype)
     s = jnp.dot(q, c.T, precision=precision, preferred_element_type=jnp.float32) * sm_scale  # [BH, BK]
@@ -95,8 +111,9 @@ def _sparse_mla_kernel(q_ref, rows_ref, cols_ref, count_ref, values_ref, scales_
     alpha = jnp.exp(m - m_safe)
     p = jnp.exp(s - m_safe[:, None])
     s_sum = s_sum * alpha + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + jnp.dot(p.astype(dot_dtype), c, precision=precision,
-                                         preferred_element_type=jnp.float32)
+    acc = acc * alpha[:, None] + jnp.dot(
+      p.astype(dot_dtype), c, precision=precision, preferred_element_type=jnp.float32
+    )
     return m_new, s_sum, acc
 
   # The selected rows come first, so the tiles holding any are a prefix: the loop runs over exactly
@@ -128,8 +145,9 @@ def sparse_mla_shared_memory(block_h: int, block_k: int, latent_dim: int, cache_
   return (block_h + block_k) * latent_dim * item + block_h * block_k * 4 + 1024
 
 
-def sparse_mla_decode_tiles(heads: int, latent_dim: int, cache_dtype: str,
-                            shared_memory_bytes: int | None) -> tuple[int, int]:
+def sparse_mla_decode_tiles(
+  heads: int, latent_dim: int, cache_dtype: str, shared_memory_bytes: int | None
+) -> tuple[int, int]:
   """``(block_h, block_k)`` for ``heads`` query heads: the largest of ``_TILES`` whose shared
   memory fits ``shared_memory_bytes`` (None: no limit, interpret mode).
 
@@ -143,10 +161,12 @@ def sparse_mla_decode_tiles(heads: int, latent_dim: int, cache_dtype: str,
     need = sparse_mla_shared_memory(block_h, block_k, latent_dim, cache_dtype)
     if shared_memory_bytes is None or need <= shared_memory_bytes:
       return block_h, block_k
-  raise ValueError(f"sparse_mla_decode: {cache_dtype} latents of {latent_dim} need {need:,} bytes of shared memory "
-                   f"at the smallest tiles (16 x 16), more than the {shared_memory_bytes:,} this device gives one "
-                   "program; run it with implementation='xla' (--implementation xla) or a narrower "
-                   "--kv-cache-dtype.")
+  raise ValueError(
+    f"sparse_mla_decode: {cache_dtype} latents of {latent_dim} need {need:,} bytes of shared memory "
+    f"at the smallest tiles (16 x 16), more than the {shared_memory_bytes:,} this device gives one "
+    "program; run it with implementation='xla' (--implementation xla) or a narrower "
+    "--kv-cache-dtype."
+  )
 
 
 def _validate(q, cache, token_indices, req_indices, block_table, *, view: KernelView, cache_dtype):
@@ -163,41 +183,62 @@ def _validate(q, cache, token_indices, req_indices, block_table, *, view: Kernel
   if cache_dtype not in ("bfloat16", "float32", "fp8"):
     raise ValueError(f"cache_dtype must be bfloat16, float32 or fp8, got {cache_dtype!r}.")
   if cache_dtype == "fp8" and l > FP8_GROUP and l % FP8_GROUP:
-    raise ValueError(f"fp8 latent caches need a latent dim below {FP8_GROUP} (one scale) or a multiple of "
-                     f"{FP8_GROUP} (one scale per {FP8_GROUP} values), got {l}.")
+    raise ValueError(
+      f"fp8 latent caches need a latent dim below {FP8_GROUP} (one scale) or a multiple of "
+      f"{FP8_GROUP} (one scale per {FP8_GROUP} values), got {l}."
+    )
   e = entry_bytes(l, cache_dtype)
   align = 4 if cache_dtype == "fp8" else jnp.dtype(cache_dtype).itemsize
-  if (cache.ndim != 2 or cache.dtype != jnp.uint8 or view.row_bytes % align or page_offset_bytes % align
-      or cache.size % view.row_bytes):
-    raise ValueError(f"cache must be uint8[num_rows, row_bytes] with rows and page offset ({page_offset_bytes}) "
-                     f"multiples of {align} bytes, got {cache.dtype}{list(cache.shape)}.")
+  if (
+    cache.ndim != 2
+    or cache.dtype != jnp.uint8
+    or view.row_bytes % align
+    or page_offset_bytes % align
+    or cache.size % view.row_bytes
+  ):
+    raise ValueError(
+      f"cache must be uint8[num_rows, row_bytes] with rows and page offset ({page_offset_bytes}) "
+      f"multiples of {align} bytes, got {cache.dtype}{list(cache.shape)}."
+    )
   if page_offset_bytes + tokens_per_row * e > view.row_bytes or block_size % tokens_per_row:
-    raise ValueError(f"{tokens_per_row} latent entries of {e} bytes at offset {page_offset_bytes} do not fit rows of "
-                     f"{view.row_bytes} bytes, or do not divide the block size {block_size}.")
+    raise ValueError(
+      f"{tokens_per_row} latent entries of {e} bytes at offset {page_offset_bytes} do not fit rows of "
+      f"{view.row_bytes} bytes, or do not divide the block size {block_size}."
+    )
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=("view", "cache_dtype", "sm_scale", "block_k", "block_h", "num_splits", "num_warps", "num_stages",
-                     "implementation", "interpret"),
+  jax.jit,
+  static_argnames=(
+    "view",
+    "cache_dtype",
+    "sm_scale",
+    "block_k",
+    "block_h",
+    "num_splits",
+    "num_warps",
+    "num_stages",
+    "implementation",
+    "interpret",
+  ),
 )
 def sparse_mla_decode(
-    q: Float[Array, "T H L"],
-    cache: UInt8[Array, "N R"],
-    token_indices: Int[Array, "T K"],
-    req_indices: Int[Array, "T"],
-    block_table: Int[Array, "Rq W"],
-    *,
-    view: KernelView,
-    cache_dtype: str = "bfloat16",
-    sm_scale: float,
-    block_k: int | None = None,
-    block_h: int | None = None,
-    num_splits: int | None = None,
-    num_warps: int | None = 8,
-    num_stages: int | None = None,
-    implementation: str = "pallas",
-    interpret: bool | None = None,
+  q: Float[Array, "T H L"],
+  cache: UInt8[Array, "N R"],
+  token_indices: Int[Array, "T K"],
+  req_indices: Int[Array, " T"],
+  block_table: Int[Array, "Rq W"],
+  *,
+  view: KernelView,
+  cache_dtype: str = "bfloat16",
+  sm_scale: float,
+  block_k: int | None = None,
+  block_h: int | None = None,
+  num_splits: int | None = None,
+  num_warps: int | None = 8,
+  num_stages: int | None = None,
+  implementation: str = "pallas",
+  interpret: bool | None = None,
 ) -> Float[Array, "T H L"]:
   """Absorbed-MLA attention of each query token over its selected latent rows (float32 out).
 
@@ -235,8 +276,9 @@ def sparse_mla_decode(
   # off the kernel's chain of dependent loads.
   e = entry_bytes(l, cache_dtype)
   valid = (token_indices >= 0) & (req_indices[:, None] >= 0)
-  rows, cols = _token_rows(block_table, jnp.maximum(req_indices, 0)[:, None], jnp.maximum(token_indices, 0),
-                           view=view, entry_bytes_=e)
+  rows, cols = _token_rows(
+    block_table, jnp.maximum(req_indices, 0)[:, None], jnp.maximum(token_indices, 0), view=view, entry_bytes_=e
+  )
   elem = 1 if cache_dtype == "fp8" else jnp.dtype(cache_dtype).itemsize
   cols = cols // elem
   k = token_indices.shape[1]
@@ -263,8 +305,14 @@ def sparse_mla_decode(
   else:
     values = jax.lax.bitcast_convert_type(cache.reshape(n, -1, elem), jnp.dtype(cache_dtype))
     scales = None
-  kernel = functools.partial(_sparse_mla_kernel, latent_dim=l, block_k=block_k, blocks_per_split=blocks_per_split,
-                             sm_scale=sm_scale, cache_dtype=cache_dtype)
+  kernel = functools.partial(
+    _sparse_mla_kernel,
+    latent_dim=l,
+    block_k=block_k,
+    blocks_per_split=blocks_per_split,
+    sm_scale=sm_scale,
+    cache_dtype=cache_dtype,
+  )
   operands = [q, rows, cols, count, values]
   if scales is None:
     kernel = without_ref(kernel, 5)
@@ -272,29 +320,33 @@ def sparse_mla_decode(
     operands.append(scales)
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   acc, m, s_sum = pl.pallas_call(
-      kernel,
-      out_shape=(jax.ShapeDtypeStruct((t, num_splits, hp, l), jnp.float32),
-                 jax.ShapeDtypeStruct((t, num_splits, hp), jnp.float32),
-                 jax.ShapeDtypeStruct((t, num_splits, hp), jnp.float32)),
-      grid=(t, hp // bh, num_splits),
-      in_specs=[any_spec] * len(operands),
-      out_specs=(any_spec, any_spec, any_spec),
-      interpret=interpret,
-      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-      name="sparse_mla_decode",
+    kernel,
+    out_shape=(
+      jax.ShapeDtypeStruct((t, num_splits, hp, l), jnp.float32),
+      jax.ShapeDtypeStruct((t, num_splits, hp), jnp.float32),
+      jax.ShapeDtypeStruct((t, num_splits, hp), jnp.float32),
+    ),
+    grid=(t, hp // bh, num_splits),
+    in_specs=[any_spec] * len(operands),
+    out_specs=(any_spec, any_spec, any_spec),
+    interpret=interpret,
+    compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+    name="sparse_mla_decode",
   )(*operands)
   return _combine_splits(acc, m, s_sum)[:, :h]
 
 
-def sparse_mla_decode_reference(q, cache, token_indices, req_indices, block_table, *, view: KernelView,
-                                cache_dtype: str = "bfloat16", sm_scale: float):
+def sparse_mla_decode_reference(
+  q, cache, token_indices, req_indices, block_table, *, view: KernelView, cache_dtype: str = "bfloat16", sm_scale: float
+):
   """Plain jnp: gather the selected latent rows, masked softmax, weighted sum (float32)."""
   cache = cache.reshape(-1, view.row_bytes)
   t, h, l = q.shape
   e = entry_bytes(l, cache_dtype)
   valid = (token_indices >= 0) & (req_indices[:, None] >= 0)
-  row, col = _token_rows(block_table, jnp.maximum(req_indices, 0)[:, None], jnp.maximum(token_indices, 0),
-                         view=view, entry_bytes_=e)
+  row, col = _token_rows(
+    block_table, jnp.maximum(req_indices, 0)[:, None], jnp.maximum(token_indices, 0), view=view, entry_bytes_=e
+  )
   raw = cache[row[..., None], col[..., None] + jnp.arange(e)]  # [T, K, E]
   c = decode_entries(raw.reshape(-1, e), cache_dtype, l).astype(jnp.float32).reshape(t, -1, l)
   s = jnp.einsum("thl,tkl->thk", q.astype(jnp.float32), c, precision=jax.lax.Precision.HIGHEST) * sm_scale

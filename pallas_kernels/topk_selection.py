@@ -28,17 +28,19 @@ __all__ = ["select_topk_tokens", "select_topk_tokens_reference"]
 
 @functools.partial(jax.jit, static_argnames=("kpool", "index_topk"))
 def select_topk_tokens(
-    logits: Float[Array, "T E"],
-    seq_lens: Int[Array, "T"],
-    *,
-    kpool: int,
-    index_topk: int,
+  logits: Float[Array, "T E"],
+  seq_lens: Int[Array, " T"],
+  *,
+  kpool: int,
+  index_topk: int,
 ) -> Int[Array, "T K"]:
   """Token indices ``int32[T, index_topk + kpool - 1]`` (-1 padded) for sparse attention."""
   if index_topk % kpool:
     raise ValueError(f"index_topk {index_topk} must be a multiple of kpool {kpool}.")
   if logits.ndim != 2 or seq_lens.shape != logits.shape[:1]:
-    raise ValueError(f"logits must be [T, entries] and seq_lens [T], got {list(logits.shape)} and {list(seq_lens.shape)}.")
+    raise ValueError(
+      f"logits must be [T, entries] and seq_lens [T], got {list(logits.shape)} and {list(seq_lens.shape)}."
+    )
   t, e = logits.shape
   k = index_topk // kpool
   pool_len = seq_lens.astype(jnp.int32) // kpool
@@ -66,7 +68,7 @@ def select_topk_tokens_reference(logits, seq_lens, *, kpool: int, index_topk: in
     pool_len = int(seq_lens[r]) // kpool
     order = sorted(range(pool_len), key=lambda g: (-logits[r, g], g))[:k]
     for c, g in enumerate(order):
-      out[r, c * kpool:(c + 1) * kpool] = np.arange(g * kpool, (g + 1) * kpool)
+      out[r, c * kpool : (c + 1) * kpool] = np.arange(g * kpool, (g + 1) * kpool)
     for i in range(int(seq_lens[r]) - pool_len * kpool):
       out[r, index_topk + i] = pool_len * kpool + i
   return out

@@ -8,24 +8,40 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import (
-    CacheConfig,
-    MultiGroupBlockTable,
-    compute_circular_slot_mapping,
-    compute_compressed_slot_mapping,
-    compute_slot_mapping,
-    plan_kv_cache,
+  CacheConfig,
+  MultiGroupBlockTable,
+  compute_circular_slot_mapping,
+  compute_compressed_slot_mapping,
+  compute_slot_mapping,
+  plan_kv_cache,
 )
 from models.glm5_next import get_config, get_kv_cache_layers
 
 
-def tiny_plan(layout="packed", block_size=512, indexer_cache_dtype="fp8", kv_cache_dtype="bfloat16",
-              num_spec=0, state_dtype="float32", memory_bytes=48 << 20, max_model_len=2048, **overrides):
+def tiny_plan(
+  layout="packed",
+  block_size=512,
+  indexer_cache_dtype="fp8",
+  kv_cache_dtype="bfloat16",
+  num_spec=0,
+  state_dtype="float32",
+  memory_bytes=48 << 20,
+  max_model_len=2048,
+  **overrides,
+):
   cfg = get_config("glm-5.3-flash-tiny")
   if overrides:
     cfg = dataclasses.replace(cfg, **overrides)
-  cache = CacheConfig(block_size=block_size, layout=layout, kv_cache_dtype=kv_cache_dtype,
-                      indexer_cache_dtype=indexer_cache_dtype, state_dtype=state_dtype, num_speculative_tokens=num_spec,
-                      memory_bytes=memory_bytes, max_model_len=max_model_len)
+  cache = CacheConfig(
+    block_size=block_size,
+    layout=layout,
+    kv_cache_dtype=kv_cache_dtype,
+    indexer_cache_dtype=indexer_cache_dtype,
+    state_dtype=state_dtype,
+    num_speculative_tokens=num_spec,
+    memory_bytes=memory_bytes,
+    max_model_len=max_model_len,
+  )
   return cfg, plan_kv_cache(get_kv_cache_layers(cfg, cache), cache)
 
 
@@ -76,6 +92,12 @@ def slots_for(plan, tables, batch, layer_name):
     return compute_circular_slot_mapping(table, reqs, pos, ring_size=spec.block_size)
   if spec.tokens_per_state > 1:
     kt = ag.map_to_kernel_block_table(table)
-    return compute_compressed_slot_mapping(kt, counts * ag.blocks_per_kernel_block, reqs, pos,
-                                           states_per_page=ag.states_per_kernel_page, compress_ratio=spec.tokens_per_state)
+    return compute_compressed_slot_mapping(
+      kt,
+      counts * ag.blocks_per_kernel_block,
+      reqs,
+      pos,
+      states_per_page=ag.states_per_kernel_page,
+      compress_ratio=spec.tokens_per_state,
+    )
   return compute_slot_mapping(table, counts, reqs, pos, block_size=spec.block_size)

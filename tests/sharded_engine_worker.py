@@ -27,9 +27,16 @@ FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "hf" / "tiny"
 def parse(name: str) -> dict:
   sizes, *flags = name.split("-")
   dp, tp = sizes.rstrip("e").split("x")
-  return {"data_parallel_size": int(dp), "tensor_parallel_size": int(tp), "enable_expert_parallel": sizes.endswith("e"),
-          "dense": "dense" in flags, "prefix": "prefix" in flags, "swap": "swap" in flags,
-          "pallas": "pallas" in flags, "mtp": "mtp" in flags}
+  return {
+    "data_parallel_size": int(dp),
+    "tensor_parallel_size": int(tp),
+    "enable_expert_parallel": sizes.endswith("e"),
+    "dense": "dense" in flags,
+    "prefix": "prefix" in flags,
+    "swap": "swap" in flags,
+    "pallas": "pallas" in flags,
+    "mtp": "mtp" in flags,
+  }
 
 
 def _top5(reqs) -> list:
@@ -48,13 +55,29 @@ def _swap_run(engine, runner, c: dict, vocab: int) -> dict:
   sampling = SamplingParams(max_tokens=8, logprobs=5)  # each crosses into its second block (of 256 positions)
   state_blocks = engine.plan.blocks_per_request(1) - 1  # KDA groups + tail ring
   tight = (1 + 3 * (state_blocks + 1) + 1) * engine.plan.bytes_per_block
-  swapping = LLMEngine(runner, EngineConfig(
-      cache=CacheConfig(block_size=128, max_model_len=256, layout=engine.plan.layout, kernel_block_size=engine.plan.cache_config.kernel_block_size,
-                        memory_bytes=tight), max_num_reqs=4, max_num_batched_tokens=128,
-      buckets=(128,), tensor_parallel_size=c["tensor_parallel_size"], data_parallel_size=c["data_parallel_size"],
-      enable_expert_parallel=c["enable_expert_parallel"], preemption_mode="swap"))
-  runs = {key: [[r.output_token_ids, _top5([r])[0]] for r in e.generate(prompts, sampling)]
-          for key, e in (("roomy", engine), ("swapped", swapping))}
+  swapping = LLMEngine(
+    runner,
+    EngineConfig(
+      cache=CacheConfig(
+        block_size=128,
+        max_model_len=256,
+        layout=engine.plan.layout,
+        kernel_block_size=engine.plan.cache_config.kernel_block_size,
+        memory_bytes=tight,
+      ),
+      max_num_reqs=4,
+      max_num_batched_tokens=128,
+      buckets=(128,),
+      tensor_parallel_size=c["tensor_parallel_size"],
+      data_parallel_size=c["data_parallel_size"],
+      enable_expert_parallel=c["enable_expert_parallel"],
+      preemption_mode="swap",
+    ),
+  )
+  runs = {
+    key: [[r.output_token_ids, _top5([r])[0]] for r in e.generate(prompts, sampling)]
+    for key, e in (("roomy", engine), ("swapped", swapping))
+  }
   return {**runs, "swapped_out": swapping.swap.num_swapped_out, "swapped_in": swapping.swap.num_swapped_in}
 
 
@@ -84,8 +107,12 @@ def main() -> int:
   expected = json.loads((FIXTURE / "expected.json").read_text())
   prompts = expected["prompts"]
   sampling = SamplingParams(max_tokens=len(expected["greedy"][0]), logprobs=5)
-  out = {"process_count": jax.process_count(), "device_count": jax.device_count(), "hf_greedy":
-         [[s["token"] for s in steps] for steps in expected["greedy"]], "runs": {}}
+  out = {
+    "process_count": jax.process_count(),
+    "device_count": jax.device_count(),
+    "hf_greedy": [[s["token"] for s in steps] for steps in expected["greedy"]],
+    "runs": {},
+  }
   for name in args.configs.split(","):
     c = parse(name)
     # On a mesh the checkpoint is loaded by shard: each process reads its devices' slices.
@@ -108,37 +135,61 @@ def main() -> int:
       checkpoint._Tensors.read = original
     leaves = jax.tree.leaves(nnx.state(model))
     # Elements this process read, its devices' shards hold, and the whole model has.
-    loaded = {"read": read[0], "held": sum(s.data.size for x in leaves for s in x.addressable_shards),
-              "model": sum(x.size for x in leaves)}
+    loaded = {
+      "read": read[0],
+      "held": sum(s.data.size for x in leaves for s in x.addressable_shards),
+      "model": sum(x.size for x in leaves),
+    }
     runner = Glm5NextRunner.from_model(model, implementation="pallas" if c["pallas"] else "auto")
     k = 2 if c["mtp"] else 0
-    cache = (CacheConfig(block_size=128, max_model_len=256, layout="dense", kernel_block_size=64, num_speculative_tokens=k) if c["dense"]
-             else CacheConfig(block_size=128, max_model_len=256, num_speculative_tokens=k))
-    engine = LLMEngine(runner, EngineConfig(
-        cache=cache, max_num_reqs=4, max_num_batched_tokens=128, buckets=(128,),
-        tensor_parallel_size=c["tensor_parallel_size"], data_parallel_size=c["data_parallel_size"],
-        enable_expert_parallel=c["enable_expert_parallel"], enable_prefix_caching=c["prefix"],
-        kv_offload="host" if c["prefix"] else None))
+    cache = (
+      CacheConfig(block_size=128, max_model_len=256, layout="dense", kernel_block_size=64, num_speculative_tokens=k)
+      if c["dense"]
+      else CacheConfig(block_size=128, max_model_len=256, num_speculative_tokens=k)
+    )
+    engine = LLMEngine(
+      runner,
+      EngineConfig(
+        cache=cache,
+        max_num_reqs=4,
+        max_num_batched_tokens=128,
+        buckets=(128,),
+        tensor_parallel_size=c["tensor_parallel_size"],
+        data_parallel_size=c["data_parallel_size"],
+        enable_expert_parallel=c["enable_expert_parallel"],
+        enable_prefix_caching=c["prefix"],
+        kv_offload="host" if c["prefix"] else None,
+      ),
+    )
     warm = engine.warmup()
     # Each cache array's row bytes: whole, and on one device (KDA states split by head: a share).
     cache_rows = {n: [a.shape[1], a.addressable_shards[0].data.shape[1]] for n, a in engine.caches.items()}
     if c["mtp"]:
       rng = np.random.default_rng(0)
-      reqs = engine.generate([[int(t) for t in rng.integers(1, 256, n)] for n in (13, 27, 5, 19)],
-                             SamplingParams(max_tokens=8, logprobs=5))
+      reqs = engine.generate(
+        [[int(t) for t in rng.integers(1, 256, n)] for n in (13, 27, 5, 19)], SamplingParams(max_tokens=8, logprobs=5)
+      )
     else:
       reqs = engine.generate(prompts, sampling)
-    run = out["runs"][name] = {"tokens": [r.output_token_ids for r in reqs], "top5": _top5(reqs),
-                               "compiled_in_warmup": warm, "loaded": loaded, "drafts": engine.num_draft_tokens,
-                               "cache_rows": cache_rows}
+    run = out["runs"][name] = {
+      "tokens": [r.output_token_ids for r in reqs],
+      "top5": _top5(reqs),
+      "compiled_in_warmup": warm,
+      "loaded": loaded,
+      "drafts": engine.num_draft_tokens,
+      "cache_rows": cache_rows,
+    }
     if c["prefix"]:  # past a 128-token block: the second time, the first block comes from the cache
       long_prompts = [p * 6 for p in prompts]
       for key in ("cold", "warm", "offloaded"):
         if key == "offloaded":
           engine.kv.reset_prefix_cache()  # only the host tier has the blocks now
         again = engine.generate(long_prompts, sampling)
-        run[key] = {"tokens": [r.output_token_ids for r in again], "top5": _top5(again),
-                    "cached": sum(r.num_cached_tokens for r in again)}
+        run[key] = {
+          "tokens": [r.output_token_ids for r in again],
+          "top5": _top5(again),
+          "cached": sum(r.num_cached_tokens for r in again),
+        }
       run["loaded_from_host"] = engine.connector.num_loaded_blocks
     run["compiled_at_end"] = engine.num_compilations
     if c["swap"]:

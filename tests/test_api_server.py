@@ -15,8 +15,16 @@ openai = pytest.importorskip("openai")  # a dependency of the test extra: presen
 from jaxkv import LLM, SamplingParams  # noqa: E402
 from jaxkv.entrypoints.api_server import build_app  # noqa: E402
 
-PROMPTS = ["Hello world!", "What is the capital of France?", "Tell me a story", "Numbers: 1 2 3",
-           "The quick brown fox", "Once upon a time", "Paged KV-cache management", "JAX and Pallas"]
+PROMPTS = [
+  "Hello world!",
+  "What is the capital of France?",
+  "Tell me a story",
+  "Numbers: 1 2 3",
+  "The quick brown fox",
+  "Once upon a time",
+  "Paged KV-cache management",
+  "JAX and Pallas",
+]
 
 
 def offline_params(i: int) -> SamplingParams:
@@ -50,8 +58,15 @@ def server():
     time.sleep(0.05)
   port = srv.servers[0].sockets[0].getsockname()[1]
   base = f"http://127.0.0.1:{port}"
-  yield {"base": base, "client": openai.OpenAI(base_url=base + "/v1", api_key="none"), "want": want,
-         "chat_want": chat_want, "prompt_lps_want": prompt_lps_want, "llm": llm, "app": app}
+  yield {
+    "base": base,
+    "client": openai.OpenAI(base_url=base + "/v1", api_key="none"),
+    "want": want,
+    "chat_want": chat_want,
+    "prompt_lps_want": prompt_lps_want,
+    "llm": llm,
+    "app": app,
+  }
   srv.should_exit = True
   thread.join(timeout=30)
 
@@ -62,9 +77,14 @@ def test_models_health_and_metrics(server):
   assert httpx.get(server["base"] + "/health").text == "ok"
   client.completions.create(model="tiny", prompt="Hello", max_tokens=2, temperature=0)
   text = httpx.get(server["base"] + "/metrics").text
-  for name in ("jaxkv_num_requests_running", "jaxkv_num_requests_waiting", "jaxkv_kv_cache_usage_perc",
-               "jaxkv_prefix_cache_hit_rate", "jaxkv_generation_tokens_per_second",
-               "jaxkv_time_to_first_token_seconds_mean"):
+  for name in (
+    "jaxkv_num_requests_running",
+    "jaxkv_num_requests_waiting",
+    "jaxkv_kv_cache_usage_perc",
+    "jaxkv_prefix_cache_hit_rate",
+    "jaxkv_generation_tokens_per_second",
+    "jaxkv_time_to_first_token_seconds_mean",
+  ):
     assert name in text
   generated = [line for line in text.splitlines() if line.startswith("jaxkv_generation_tokens_total ")]
   assert float(generated[0].split()[1]) >= 2
@@ -74,9 +94,15 @@ def test_completion_equals_the_offline_api(server):
   client, want = server["client"], server["want"]
   for i in (0, 1, 2, 3):
     p = offline_params(i)
-    got = client.completions.create(model="tiny", prompt=PROMPTS[i], max_tokens=p.max_tokens,
-                                    temperature=p.temperature, top_p=p.top_p, seed=p.seed,
-                                    extra_body={"top_k": p.top_k})
+    got = client.completions.create(
+      model="tiny",
+      prompt=PROMPTS[i],
+      max_tokens=p.max_tokens,
+      temperature=p.temperature,
+      top_p=p.top_p,
+      seed=p.seed,
+      extra_body={"top_k": p.top_k},
+    )
     assert got.choices[0].text == want[i].text
     assert got.choices[0].finish_reason == want[i].finish_reason
     assert got.usage.completion_tokens == len(want[i].token_ids)
@@ -88,8 +114,9 @@ def test_chat_streamed_and_not(server):
   got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
   assert got.choices[0].message.role == "assistant" and got.choices[0].message.content == want.text
   pieces, reasons = [], []
-  for chunk in client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
-                                              stream=True):
+  for chunk in client.chat.completions.create(
+    model="tiny", messages=messages, max_tokens=6, temperature=0, stream=True
+  ):
     for c in chunk.choices:
       pieces.append(c.delta.content or "")
       reasons.append(c.finish_reason)
@@ -101,21 +128,29 @@ def test_stop_strings_n_seeds_and_logprobs(server):
   full = want[0].text
   stop = full[2:4]
   got = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=5, temperature=0, stop=[stop])
-  assert got.choices[0].text == full[:full.index(stop)] and got.choices[0].finish_reason == "stop"
+  assert got.choices[0].text == full[: full.index(stop)] and got.choices[0].finish_reason == "stop"
   # n sequences seeded seed + i: twice the same, and not all equal.
   kw = dict(model="tiny", prompt="Tell me", max_tokens=8, temperature=1.0, n=3, seed=11)
   a = [c.text for c in sorted(client.completions.create(**kw).choices, key=lambda c: c.index)]
   b = [c.text for c in sorted(client.completions.create(**kw).choices, key=lambda c: c.index)]
   assert a == b and len(set(a)) > 1
   # No seed: fresh entropy per request.
-  fresh = {client.completions.create(model="tiny", prompt="Tell me", max_tokens=8, temperature=1.0).choices[0].text
-           for _ in range(3)}
+  fresh = {
+    client.completions.create(model="tiny", prompt="Tell me", max_tokens=8, temperature=1.0).choices[0].text
+    for _ in range(3)
+  }
   assert len(fresh) > 1
   lp = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=3, temperature=0, logprobs=2)
   assert len(lp.choices[0].logprobs.tokens) == 3 and all(len(t) == 2 for t in lp.choices[0].logprobs.top_logprobs)
   assert all(v <= 0 for v in lp.choices[0].logprobs.token_logprobs)
-  chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
-                                        temperature=0, logprobs=True, top_logprobs=3)
+  chat = client.chat.completions.create(
+    model="tiny",
+    messages=[{"role": "user", "content": "Hi"}],
+    max_tokens=3,
+    temperature=0,
+    logprobs=True,
+    top_logprobs=3,
+  )
   assert all(len(t.top_logprobs) == 3 for t in chat.choices[0].logprobs.content)
 
 
@@ -126,11 +161,16 @@ def test_prompt_logprobs_as_vllm_serves_them(server):
   def values(entries):
     return [None if e is None else {t: v["logprob"] for t, v in e.items()} for e in entries]
 
-  got = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=2, temperature=0,
-                                  extra_body={"prompt_logprobs": 2})
+  got = client.completions.create(
+    model="tiny", prompt=PROMPTS[1], max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 2}
+  )
   assert values(got.choices[0].model_extra["prompt_logprobs"]) == expected
-  streamed = [c.choices[0].model_extra.get("prompt_logprobs") for c in client.completions.create(
-      model="tiny", prompt=PROMPTS[1], max_tokens=2, temperature=0, stream=True, extra_body={"prompt_logprobs": 2})]
+  streamed = [
+    c.choices[0].model_extra.get("prompt_logprobs")
+    for c in client.completions.create(
+      model="tiny", prompt=PROMPTS[1], max_tokens=2, temperature=0, stream=True, extra_body={"prompt_logprobs": 2}
+    )
+  ]
   assert values(next(s for s in streamed if s is not None)) == expected
 
 
@@ -159,8 +199,11 @@ def test_a_full_server_answers_503(server):
 
 def test_a_disconnected_stream_aborts_its_request(server):
   loop = server["app"].state.loop
-  with httpx.stream("POST", server["base"] + "/v1/completions",
-                    json={"prompt": "Hello", "max_tokens": 200, "stream": True, "temperature": 0}) as r:
+  with httpx.stream(
+    "POST",
+    server["base"] + "/v1/completions",
+    json={"prompt": "Hello", "max_tokens": 200, "stream": True, "temperature": 0},
+  ) as r:
     next(r.iter_lines())
   for _ in range(100):  # the engine drops it within a few steps
     if not loop._streams and not server["llm"].engine.has_unfinished():
@@ -178,8 +221,15 @@ def test_a_bounded_load_gives_the_offline_outputs(server):
   async def one(k: int):
     i = k % len(want)
     p = offline_params(i)
-    kw = dict(model="tiny", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=p.max_tokens, temperature=p.temperature,
-              top_p=p.top_p, seed=p.seed, extra_body={"top_k": p.top_k})
+    kw = dict(
+      model="tiny",
+      prompt=PROMPTS[i % len(PROMPTS)],
+      max_tokens=p.max_tokens,
+      temperature=p.temperature,
+      top_p=p.top_p,
+      seed=p.seed,
+      extra_body={"top_k": p.top_k},
+    )
     async with sem:
       if k % 2:
         text = ""

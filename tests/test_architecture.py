@@ -35,10 +35,13 @@ def imports_of(package: str) -> dict[str, set[str]]:
 
 def test_imports_read_top_to_bottom():
   """engine -> model -> core and kernels; nothing imports back up."""
+
   def offenders(package, forbidden):
-    return {f: sorted(n for n in names if any(n == p or n.startswith(p + ".") for p in forbidden))
-            for f, names in imports_of(package).items()
-            if any(n == p or n.startswith(p + ".") for n in names for p in forbidden)}
+    return {
+      f: sorted(n for n in names if any(n == p or n.startswith(p + ".") for p in forbidden))
+      for f, names in imports_of(package).items()
+      if any(n == p or n.startswith(p + ".") for n in names for p in forbidden)
+    }
 
   assert offenders("jaxkv", ["models"]) == {}  # the engine and the CLI find models through the registry
   assert offenders("models", ["jaxkv.engine", "jaxkv.cli"]) == {}
@@ -79,15 +82,32 @@ def test_step_maps_kernel_blocks_through_the_attention_groups(monkeypatch):
     engine.step()
     for i, ag in split:
       assert before[i].is_deleted()  # the persistent buffer was donated and rewritten
-      want = map_to_kernel_blocks_reference(engine.tables[ag.kv_cache_group_id].block_table,
-                                            ag.blocks_per_kernel_block, ag.stride)
+      want = map_to_kernel_blocks_reference(
+        engine.tables[ag.kv_cache_group_id].block_table, ag.blocks_per_kernel_block, ag.stride
+      )
       np.testing.assert_array_equal(np.asarray(engine.kernel_tables[i]), want)
   assert len(calls) == len(mapped)  # steady steps reuse the one trace
 
 
 def test_inspect_and_the_engine_print_the_same_plan(capsys):
-  opts = ["--config", "glm-5.3-flash-tiny", "--block-size", "256", "--memory-gib", "0.0625", "--max-model-len", "64",
-          "--num-spec", "2", "--dtype", "float32", "--kv-cache-dtype", "float32", "--indexer-cache-dtype", "float32"]
+  opts = [
+    "--config",
+    "glm-5.3-flash-tiny",
+    "--block-size",
+    "256",
+    "--memory-gib",
+    "0.0625",
+    "--max-model-len",
+    "64",
+    "--num-spec",
+    "2",
+    "--dtype",
+    "float32",
+    "--kv-cache-dtype",
+    "float32",
+    "--indexer-cache-dtype",
+    "float32",
+  ]
   assert main(["inspect", *opts]) == 0
   inspected = capsys.readouterr().out
   assert "+ the MTP layer" in inspected and "request needs" in inspected
@@ -109,10 +129,15 @@ def test_equal_engines_share_compiled_steps():
   assert b.num_compilations == compiled and len(out[0].output_token_ids) == 2
 
 
-@pytest.mark.parametrize("bad, match", [({"layout": "sparse"}, "layout must be one of"),
-                                        ({"kv_cache_dtype": "int4"}, "kv_cache_dtype must be one of"),
-                                        ({"block_size": 0}, "block_size must be a positive integer"),
-                                        ({"num_speculative_tokens": -1}, "num_speculative_tokens must be >= 0")])
+@pytest.mark.parametrize(
+  "bad, match",
+  [
+    ({"layout": "sparse"}, "layout must be one of"),
+    ({"kv_cache_dtype": "int4"}, "kv_cache_dtype must be one of"),
+    ({"block_size": 0}, "block_size must be a positive integer"),
+    ({"num_speculative_tokens": -1}, "num_speculative_tokens must be >= 0"),
+  ],
+)
 def test_cache_config_names_the_parameter(bad, match):
   from jaxkv import CacheConfig
 

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from jaxkv import (
-    AttentionBackend,
-    AttentionGroup,
-    FullAttentionSpec,
-    MLAAttentionSpec,
-    MultipleOf,
+  AttentionBackend,
+  AttentionGroup,
+  FullAttentionSpec,
+  MLAAttentionSpec,
+  MultipleOf,
 )
 
 INDEXER = AttentionBackend("glm5_indexer", (128, 256))
@@ -30,8 +30,15 @@ def rows_of(arena, view):
 
 
 def kpool_spec(block_size=1024, tps=4, row=ROW):
-  return MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=128, dtype="uint8",
-                          state_content_bytes=row, compress_ratio=tps, block_stride_alignment=MultipleOf(256))
+  return MLAAttentionSpec(
+    block_size=block_size,
+    num_kv_heads=1,
+    head_size=128,
+    dtype="uint8",
+    state_content_bytes=row,
+    compress_ratio=tps,
+    block_stride_alignment=MultipleOf(256),
+  )
 
 
 def test_packed_compressed_group_gets_restrided_kernel_table():
@@ -55,8 +62,9 @@ def test_split_group_keeps_dense_stride():
   cache = jnp.zeros((12, 64 * ROW), jnp.uint8)  # allocated already split: 3 blocks x 4 pages
   group, view = bind(group, cache.shape)
   assert view.row_bytes == cache.shape[1] and view.base_row == 0 and group.stride == 4
-  np.testing.assert_array_equal(group.map_to_kernel_block_table(jnp.array([[0, 2]], jnp.int32)),
-                                [[0, 1, 2, 3, 8, 9, 10, 11]])
+  np.testing.assert_array_equal(
+    group.map_to_kernel_block_table(jnp.array([[0, 2]], jnp.int32)), [[0, 1, 2, 3, 8, 9, 10, 11]]
+  )
 
 
 def test_packed_token_cache_cannot_be_split():
@@ -82,7 +90,7 @@ def test_packed_offset_layer_addresses_its_own_pages():
   assert group.kernel_block_stride == 6 and view.base_row == 1
   kt = np.asarray(group.map_to_kernel_block_table(jnp.array([[1]], jnp.int32)))
   got = rows_of(arena, view)[view.base_row + kt[0]].reshape(-1)
-  np.testing.assert_array_equal(got, np.asarray(arena)[1, 64 * ROW: 320 * ROW])
+  np.testing.assert_array_equal(got, np.asarray(arena)[1, 64 * ROW : 320 * ROW])
 
 
 def test_kernel_block_size_must_divide_block_size():

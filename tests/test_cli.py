@@ -19,8 +19,12 @@ def test_inspect_json_glm(capsys):
 
 
 def test_inspect_text_and_errors(capsys):
-  assert main(["inspect", "--config", "glm-5.3-flash-tiny", "--block-size", "256", "--memory-gib", "0.5",
-               "--layout", "dense"]) == 0
+  assert (
+    main(
+      ["inspect", "--config", "glm-5.3-flash-tiny", "--block-size", "256", "--memory-gib", "0.5", "--layout", "dense"]
+    )
+    == 0
+  )
   text = capsys.readouterr().out
   assert "manager block size   256 tokens" in text and "glm5_indexer" in text
   assert main(["inspect", "--config", "glm-5.3-flash-tiny", "--block-size", "256", "--num-spec", "2", "--json"]) == 0
@@ -41,16 +45,23 @@ def test_a_foreign_models_package_on_the_path_is_named_not_imported(tmp_path):
   # distribution's; the import must say so instead of loading the wrong one.
   (tmp_path / "models").mkdir()
   (tmp_path / "models" / "__init__.py").write_text("")
-  out = subprocess.run([sys.executable, "-c", "import jaxkv"], capture_output=True, text=True, cwd=tmp_path,
-                       env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+  out = subprocess.run(
+    [sys.executable, "-c", "import jaxkv"],
+    capture_output=True,
+    text=True,
+    cwd=tmp_path,
+    env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"},
+  )
   assert out.returncode == 1
   assert "ImportError: jaxkv needs its own top-level package 'models'" in out.stderr
   assert str(tmp_path / "models" / "__init__.py") in out.stderr
 
 
 def test_generate_json_on_the_embedded_model(capsys):
-  assert main(["generate", "--prompt-ids", "5,6,7,8,9,10", "--batch", "2", "--max-tokens", "3", "--logprobs",
-               "2", "--json"]) == 0
+  assert (
+    main(["generate", "--prompt-ids", "5,6,7,8,9,10", "--batch", "2", "--max-tokens", "3", "--logprobs", "2", "--json"])
+    == 0
+  )
   out = json.loads(capsys.readouterr().out)
   a, b = out["requests"]
   assert len(a["output_token_ids"]) == 3 and a["output_token_ids"] == b["output_token_ids"]
@@ -71,8 +82,25 @@ def test_generate_json_on_the_embedded_model(capsys):
 
 
 def test_bench_json(capsys):
-  assert main(["bench", "--batch", "2", "--context", "9", "--steps", "3", "--buckets", "16", "--max-num-batched-tokens",
-               "16", "--json"]) == 0
+  assert (
+    main(
+      [
+        "bench",
+        "--batch",
+        "2",
+        "--context",
+        "9",
+        "--steps",
+        "3",
+        "--buckets",
+        "16",
+        "--max-num-batched-tokens",
+        "16",
+        "--json",
+      ]
+    )
+    == 0
+  )
   out = json.loads(capsys.readouterr().out)
   assert out["decode_steps"] == 3 and out["decode_tokens"] == 6 and out["decode_tokens_per_s"] > 0
   assert out["compilations_at_end"] == out["compilations_after_warmup"]
@@ -82,23 +110,28 @@ def test_bench_json(capsys):
 def test_argument_errors_name_the_flag_before_any_model_is_built(capsys, tmp_path):
   import pytest
 
-  for argv, message in [(["bench", "--steps", "0"], "--steps: expected an integer >= 1, got 0"),
-                        (["bench", "--batch", "0"], "--batch: expected an integer >= 1, got 0"),
-                        (["bench", "--context", "0"], "--context: expected an integer >= 1, got 0"),
-                        (["generate", "--batch", "0"], "--batch: expected an integer >= 1, got 0")]:
+  for argv, message in [
+    (["bench", "--steps", "0"], "--steps: expected an integer >= 1, got 0"),
+    (["bench", "--batch", "0"], "--batch: expected an integer >= 1, got 0"),
+    (["bench", "--context", "0"], "--context: expected an integer >= 1, got 0"),
+    (["generate", "--batch", "0"], "--batch: expected an integer >= 1, got 0"),
+  ]:
     with pytest.raises(SystemExit):
       main(argv)
     assert message in capsys.readouterr().err
   empty = tmp_path / "empty.json"
   empty.write_text("[]")
-  for argv, message in [(["generate", "--prompt-ids", ""], "--prompt-ids must name at least one token id"),
-                        (["generate", "--batch-file", str(tmp_path / "none.json")], "none.json: no such file"),
-                        (["generate", "--batch-file", str(empty)], "must be a non-empty JSON list"),
-                        (["generate", "--batch-file", str(empty), "--batch", "3"], "a --batch-file already lists"),
-                        (["generate", "--tensor-parallel-size", "2"], "--tensor-parallel-size 2 x --data-parallel-size 1 "
-                                                                      "needs 2 devices; 1 are visible"),
-                        (["bench", "--data-parallel-size", "2"], "--data-parallel-size 2 without "
-                                                                 "--enable-expert-parallel")]:
+  for argv, message in [
+    (["generate", "--prompt-ids", ""], "--prompt-ids must name at least one token id"),
+    (["generate", "--batch-file", str(tmp_path / "none.json")], "none.json: no such file"),
+    (["generate", "--batch-file", str(empty)], "must be a non-empty JSON list"),
+    (["generate", "--batch-file", str(empty), "--batch", "3"], "a --batch-file already lists"),
+    (
+      ["generate", "--tensor-parallel-size", "2"],
+      "--tensor-parallel-size 2 x --data-parallel-size 1 needs 2 devices; 1 are visible",
+    ),
+    (["bench", "--data-parallel-size", "2"], "--data-parallel-size 2 without --enable-expert-parallel"),
+  ]:
     assert main(argv) == 2
     assert message in capsys.readouterr().err
 
@@ -106,8 +139,11 @@ def test_argument_errors_name_the_flag_before_any_model_is_built(capsys, tmp_pat
 def test_help_lists_the_built_in_configs_and_each_command_s_default(capsys):
   import pytest
 
-  for command, default in (("inspect", "glm-5.3-flash"), ("generate", "glm-5.3-flash-tiny"),
-                           ("bench", "glm-5.3-flash-tiny")):
+  for command, default in (
+    ("inspect", "glm-5.3-flash"),
+    ("generate", "glm-5.3-flash-tiny"),
+    ("bench", "glm-5.3-flash-tiny"),
+  ):
     with pytest.raises(SystemExit):
       main([command, "--help"])
     text = " ".join(capsys.readouterr().out.split())
@@ -143,8 +179,12 @@ def test_readme_python_examples_run(capsys):
 
 def test_inspect_plot_draws_a_block(tmp_path, capsys):
   path = tmp_path / "block.png"
-  assert main(["inspect", "--config", "glm-5.3-flash-tiny", "--block-size", "256", "--memory-gib", "0.05",
-               "--plot", str(path)]) == 0
+  assert (
+    main(
+      ["inspect", "--config", "glm-5.3-flash-tiny", "--block-size", "256", "--memory-gib", "0.05", "--plot", str(path)]
+    )
+    == 0
+  )
   assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   from jaxkv.kv_cache_plot import block_segments
   from kernel_utils import tiny_plan
@@ -163,8 +203,17 @@ def test_every_flag_has_help_and_the_cache_flags_come_from_one_place():
 
   parser = build_parser()
   commands = parser._subparsers._group_actions[0].choices
-  cache_flags = {"--block-size", "--kernel-block-size", "--layout", "--memory-gib", "--max-model-len", "--dtype",
-                 "--kv-cache-dtype", "--indexer-cache-dtype", "--num-spec"}
+  cache_flags = {
+    "--block-size",
+    "--kernel-block-size",
+    "--layout",
+    "--memory-gib",
+    "--max-model-len",
+    "--dtype",
+    "--kv-cache-dtype",
+    "--indexer-cache-dtype",
+    "--num-spec",
+  }
   for name, sub in commands.items():
     flags = {f: a for a in sub._actions for f in a.option_strings}
     missing = [f for f, a in flags.items() if not a.help]
@@ -176,28 +225,79 @@ def test_every_flag_has_help_and_the_cache_flags_come_from_one_place():
 
 def test_generate_and_bench_with_prefix_caching(capsys, tmp_path):
   ids = ",".join(str(1 + (i * 7) % 200) for i in range(140))
-  argv = ["generate", "--prompt-ids", ids, "--batch", "2", "--max-num-reqs", "1", "--block-size", "128",
-          "--max-tokens", "2", "--logprobs", "2", "--json", "--max-num-batched-tokens", "128", "--buckets", "128",
-          "--max-model-len", "256"]  # one plan and one bucket for every run below: one compilation
+  argv = [
+    "generate",
+    "--prompt-ids",
+    ids,
+    "--batch",
+    "2",
+    "--max-num-reqs",
+    "1",
+    "--block-size",
+    "128",
+    "--max-tokens",
+    "2",
+    "--logprobs",
+    "2",
+    "--json",
+    "--max-num-batched-tokens",
+    "128",
+    "--buckets",
+    "128",
+    "--max-model-len",
+    "256",
+  ]  # one plan and one bucket for every run below: one compilation
   assert main(argv) == 0
   cold = json.loads(capsys.readouterr().out)["requests"]
   assert main(argv + ["--enable-prefix-caching"]) == 0
   warm = json.loads(capsys.readouterr().out)["requests"]
   # One row: the second copy is admitted after the first finished, and resumes after its first block.
   assert [r["num_cached_tokens"] for r in warm] == [0, 128] and [r["num_cached_tokens"] for r in cold] == [0, 0]
-  assert [(r["output_token_ids"], r["logprobs"]) for r in warm] == [(r["output_token_ids"], r["logprobs"]) for r in cold]
+  assert [(r["output_token_ids"], r["logprobs"]) for r in warm] == [
+    (r["output_token_ids"], r["logprobs"]) for r in cold
+  ]
   # The disk tier outlives the command: a second run finds the first one's blocks there.
-  disk = argv + ["--enable-prefix-caching", "--kv-offload", "disk", "--kv-offload-dir", str(tmp_path),
-                 "--preemption-mode", "swap", "--swap-space", "0.5"]
+  disk = argv + [
+    "--enable-prefix-caching",
+    "--kv-offload",
+    "disk",
+    "--kv-offload-dir",
+    str(tmp_path),
+    "--preemption-mode",
+    "swap",
+    "--swap-space",
+    "0.5",
+  ]
   assert main(disk) == 0 and main(disk) == 0
   again = json.loads(capsys.readouterr().out.splitlines()[-1])["requests"]
   assert [r["num_cached_tokens"] for r in again] == [128, 128]
   assert [r["output_token_ids"] for r in again] == [r["output_token_ids"] for r in cold]
   assert main(["generate", "--kv-offload", "host"]) == 2
   assert "set --enable-prefix-caching" in capsys.readouterr().err
-  assert main(["bench", "--batch", "2", "--context", "130", "--steps", "2", "--block-size", "128",
-               "--max-num-batched-tokens", "128", "--buckets", "128", "--max-model-len", "256",
-               "--enable-prefix-caching", "--json"]) == 0
+  assert (
+    main(
+      [
+        "bench",
+        "--batch",
+        "2",
+        "--context",
+        "130",
+        "--steps",
+        "2",
+        "--block-size",
+        "128",
+        "--max-num-batched-tokens",
+        "128",
+        "--buckets",
+        "128",
+        "--max-model-len",
+        "256",
+        "--enable-prefix-caching",
+        "--json",
+      ]
+    )
+    == 0
+  )
   bench = json.loads(capsys.readouterr().out)
   assert bench["num_cached_tokens"] == 2 * 128 and bench["prefill_warm_s"] > 0
 

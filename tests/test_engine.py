@@ -5,7 +5,6 @@ import re
 import threading
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -56,11 +55,14 @@ def test_temperature_sampling_follows_the_distribution():
   # With top_p tiny, sampling must pick the argmax: only the first token survives the nucleus.
   engine = LLMEngine(runner(), cfg())
   greedy = engine.generate([prompts()[2]], SamplingParams(max_tokens=3))[0].output_token_ids
-  nucleus = engine.generate([prompts()[2]], SamplingParams(max_tokens=3, temperature=1.5, top_p=1e-6,
-                                                           seed=3))[0].output_token_ids
+  nucleus = engine.generate([prompts()[2]], SamplingParams(max_tokens=3, temperature=1.5, top_p=1e-6, seed=3))[
+    0
+  ].output_token_ids
   assert nucleus == greedy
-  hot = [engine.generate([prompts()[2]], SamplingParams(max_tokens=3, temperature=5.0, seed=s))[0].output_token_ids
-         for s in range(4)]
+  hot = [
+    engine.generate([prompts()[2]], SamplingParams(max_tokens=3, temperature=5.0, seed=s))[0].output_token_ids
+    for s in range(4)
+  ]
   assert len({tuple(h) for h in hot}) > 1
   assert all(0 <= t < 256 for h in hot for t in h)
 
@@ -69,8 +71,9 @@ def test_warmup_compiles_every_bucket_and_writes_nothing():
   engine = LLMEngine(runner(), cfg(max_num_batched_tokens=32, num_speculative_tokens=2, buckets=None))
   rng = np.random.default_rng(0)
   # Poisoned caches, placed as the engine places its own (committed to its device).
-  engine.caches = {k: jax.device_put(rng.integers(0, 256, v.shape, dtype=np.uint8), v.sharding)
-                   for k, v in engine.caches.items()}
+  engine.caches = {
+    k: jax.device_put(rng.integers(0, 256, v.shape, dtype=np.uint8), v.sharding) for k, v in engine.caches.items()
+  }
   before = {k: np.asarray(v) for k, v in engine.caches.items()}
   assert engine.config.token_buckets == (8, 16, 32)
   fresh = engine.num_compilations
@@ -101,7 +104,9 @@ def test_async_steps_return_the_step_before_and_schedule_nothing_past_the_end():
 # -- reliability at the boundary (one bad request never stops the engine) ---------------------------
 
 
-@pytest.mark.parametrize("kw, message", [
+@pytest.mark.parametrize(
+  "kw, message",
+  [
     (dict(seed=2**31), r"seed must be None or an integer in \[0, 2\*\*31\), got 2147483648"),
     (dict(seed=-1), "seed must be None or an integer in"),
     (dict(temperature=float("nan")), "temperature must be a finite number, got nan"),
@@ -114,7 +119,8 @@ def test_async_steps_return_the_step_before_and_schedule_nothing_past_the_end():
     (dict(n=0), "n must be >= 1, got 0"),
     (dict(stop=["ok", ""]), "stop must be a string or a sequence of non-empty strings"),
     (dict(prompt_logprobs=21), r"prompt_logprobs must be None or in \[0, 20\], got 21"),
-])
+  ],
+)
 def test_sampling_values_are_checked(kw, message):
   with pytest.raises(ValueError, match=message):
     SamplingParams(**kw)
@@ -129,7 +135,9 @@ def test_sampling_params_take_vllm_forms():
 def test_token_ids_are_integers_in_the_vocabulary():
   engine = LLMEngine(runner(), cfg())
   for bad, shown in [([1, 3.7], "3.7"), ([1, "5"], "'5'"), ([True, 2], "True"), ([1, 99999], "99999"), ([-5], "-5")]:
-    with pytest.raises(ValueError, match=rf"prompt token \d is {re.escape(shown)}; token ids are integers in \[0, 256\)"):
+    with pytest.raises(
+      ValueError, match=rf"prompt token \d is {re.escape(shown)}; token ids are integers in \[0, 256\)"
+    ):
       engine.add_request("x", bad)
   with pytest.raises(ValueError, match="prompt_token_ids must be a sequence of token ids, got int 1"):
     engine.generate([1, 2, 3])
@@ -173,8 +181,9 @@ def test_a_request_that_cannot_be_laid_out_ends_alone(async_scheduling):
   assert [o.finish_reason for o in outputs if o.request_id == "bad"] == ["error"]
   for got, ref in zip(reqs, want):
     assert got.output_token_ids == ref.output_token_ids
-    np.testing.assert_allclose([[v for _, v in s] for s in got.output_logprobs],
-                               [[v for _, v in s] for s in ref.output_logprobs], atol=1e-5)
+    np.testing.assert_allclose(
+      [[v for _, v in s] for s in got.output_logprobs], [[v for _, v in s] for s in ref.output_logprobs], atol=1e-5
+    )
   assert engine.kv.num_free_blocks == initial and engine._requests == {}
 
 
@@ -212,16 +221,24 @@ def test_a_soak_leaves_the_host_structures_as_they_were(rounds, per_round):
 
   def sizes():
     kv = engine.kv
-    return (len(engine._requests), len(engine.scheduler.waiting), len(engine.scheduler.running),
-            len(engine.scheduler.free_rows), kv.num_free_blocks, len(kv._block_hashes),
-            sum(len(m.req_to_blocks) + len(m.num_cached_block) for m in kv.managers))
+    return (
+      len(engine._requests),
+      len(engine.scheduler.waiting),
+      len(engine.scheduler.running),
+      len(engine.scheduler.free_rows),
+      kv.num_free_blocks,
+      len(kv._block_hashes),
+      sum(len(m.req_to_blocks) + len(m.num_cached_block) for m in kv.managers),
+    )
 
   initial = sizes()
   tracemalloc.start()
   memory = []
   for round_ in range(rounds):
-    reqs = [engine.add_request(f"{round_}-{i}", list(rng.integers(1, 256, 3)), SamplingParams(max_tokens=1))
-            for i in range(per_round)]
+    reqs = [
+      engine.add_request(f"{round_}-{i}", list(rng.integers(1, 256, 3)), SamplingParams(max_tokens=1))
+      for i in range(per_round)
+    ]
     for r in reqs[::50]:
       engine.abort(r.request_id)
     while engine.has_unfinished():
@@ -240,7 +257,7 @@ def test_request_token_ids_window_equals_the_slice_of_the_whole_sequence():
   whole = [5, 6, 7, 8, 9, 10, 11]
   for start in range(-1, 9):
     for stop in range(start, 10):
-      assert req.token_ids(start, stop) == whole[max(start, 0):max(stop, 0)], (start, stop)
+      assert req.token_ids(start, stop) == whole[max(start, 0) : max(stop, 0)], (start, stop)
 
 
 def test_unseeded_requests_draw_fresh_seeds():

@@ -83,16 +83,16 @@ def baseline():
 
 
 VARIANTS = {
-    "block128": cfg(block_size=128),
-    "block384": cfg(block_size=384),
-    "block1024": cfg(block_size=1024, max_model_len=1024),
-    "dense": cfg(layout="dense"),
-    "dense_split_256_into_64": cfg(layout="dense", kernel_block_size=64),
-    "chunks_of_7": cfg(max_num_batched_tokens=7),  # chunks end mid-pool
-    "chunks_of_13": cfg(max_num_batched_tokens=13),
-    "synchronous_steps": cfg(async_scheduling=False),  # the baseline dispatches a step ahead
-    # Slots and kernel tables from the step-metadata kernel (interpreted on the CPU; the GPU's default).
-    "step_metadata_kernel": cfg(step_metadata_implementation="pallas"),
+  "block128": cfg(block_size=128),
+  "block384": cfg(block_size=384),
+  "block1024": cfg(block_size=1024, max_model_len=1024),
+  "dense": cfg(layout="dense"),
+  "dense_split_256_into_64": cfg(layout="dense", kernel_block_size=64),
+  "chunks_of_7": cfg(max_num_batched_tokens=7),  # chunks end mid-pool
+  "chunks_of_13": cfg(max_num_batched_tokens=13),
+  "synchronous_steps": cfg(async_scheduling=False),  # the baseline dispatches a step ahead
+  # Slots and kernel tables from the step-metadata kernel (interpreted on the CPU; the GPU's default).
+  "step_metadata_kernel": cfg(step_metadata_implementation="pallas"),
 }
 
 
@@ -127,8 +127,9 @@ def test_preemption_and_recompute_change_nothing():
   probe = LLMEngine(runner(), cfg(block_size=128, max_model_len=256))
   state_blocks = probe.plan.blocks_per_request(1) - 1  # KDA groups + tail ring
   # Every request fits with one token block; only one can grow to its second one at a time.
-  tight = cfg(block_size=128, max_model_len=256,
-              memory_bytes=probe.plan.bytes_per_block * (1 + 3 * (state_blocks + 1) + 1))
+  tight = cfg(
+    block_size=128, max_model_len=256, memory_bytes=probe.plan.bytes_per_block * (1 + 3 * (state_blocks + 1) + 1)
+  )
   for async_scheduling in (True, False):  # preempting a request whose next token is in flight
     got, engine = generate(dataclasses.replace(tight, async_scheduling=async_scheduling))
     assert engine.scheduler.num_preemptions > 0
@@ -165,7 +166,7 @@ def test_engine_greedy_matches_reference_forward():
     for _ in range(NEW):
       logits = np.asarray(forward(np.asarray([seq + [1] * (length - len(seq))])))[len(seq) - 1]
       seq.append(int(np.argmax(logits)))
-    assert tokens == seq[len(p):]
+    assert tokens == seq[len(p) :]
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent():

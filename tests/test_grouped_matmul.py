@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from pallas_kernels.grouped_matmul import (
-    _tokamax_available,
-    grouped_matmul,
-    grouped_matmul_reference,
-    resolve_implementation,
+  _tokamax_available,
+  grouped_matmul,
+  grouped_matmul_reference,
+  resolve_implementation,
 )
 
 ON_GPU_WITH_TOKAMAX = jax.default_backend() in ("gpu", "cuda") and _tokamax_available()
@@ -39,8 +39,8 @@ def test_grouped_matmul_matches_definition(implementation, m, groups, k, n):
   # Independent oracle: each group's block of rows times its matrix, in float64.
   start = 0
   for g, s in enumerate(sizes):
-    block = np.asarray(lhs[start:start + s], np.float64) @ np.asarray(rhs[g], np.float64)
-    np.testing.assert_allclose(want[start:start + s], block, rtol=1e-4, atol=1e-4)
+    block = np.asarray(lhs[start : start + s], np.float64) @ np.asarray(rhs[g], np.float64)
+    np.testing.assert_allclose(want[start : start + s], block, rtol=1e-4, atol=1e-4)
     start += s
 
 

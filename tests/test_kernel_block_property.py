@@ -12,15 +12,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jaxkv import (
-    AttentionBackend,
-    AttentionGroup,
-    KernelTableGroup,
-    MLAAttentionSpec,
-    SlotGroup,
-    StepMetadataSpec,
-    compute_compressed_slot_mapping,
-    compute_slot_mapping,
-    map_to_kernel_blocks,
+  AttentionBackend,
+  AttentionGroup,
+  KernelTableGroup,
+  MLAAttentionSpec,
+  SlotGroup,
+  StepMetadataSpec,
+  compute_compressed_slot_mapping,
+  compute_slot_mapping,
+  map_to_kernel_blocks,
 )
 from jaxkv.kernel_blocks import map_to_kernel_blocks_reference
 from pallas_kernels import compute_step_metadata
@@ -32,10 +32,15 @@ def kernel_metadata(batch, group: KernelTableGroup):
   """Slots and the kernel-block table of one token group from ``compute_step_metadata``."""
   table = jnp.asarray(batch["table"])
   spec = StepMetadataSpec((SlotGroup("tokens", batch["bs"]),), (group,))
-  meta = compute_step_metadata((table,), (jnp.asarray(batch["counts"]),), jnp.asarray(batch["reqs"]),
-                               jnp.asarray(batch["pos"]), (jnp.full((table.shape[0], table.shape[1] * batch["bpk"]),
-                                                                     -7, jnp.int32),),
-                               spec=spec, implementation="pallas")
+  meta = compute_step_metadata(
+    (table,),
+    (jnp.asarray(batch["counts"]),),
+    jnp.asarray(batch["reqs"]),
+    jnp.asarray(batch["pos"]),
+    (jnp.full((table.shape[0], table.shape[1] * batch["bpk"]), -7, jnp.int32),),
+    spec=spec,
+    implementation="pallas",
+  )
   return meta
 
 
@@ -58,7 +63,7 @@ def paged_batch(draw, compress_ratio=1):
   table = np.zeros((num_reqs, width), np.int32)
   at = 0
   for r, c in enumerate(counts):
-    table[r, :c] = ids[at:at + c]
+    table[r, :c] = ids[at : at + c]
     # Stale garbage past the count must never be used.
     table[r, c:] = rng.integers(0, num_blocks, width - c)
     at += c
@@ -71,16 +76,32 @@ def paged_batch(draw, compress_ratio=1):
   dup = np.ones(num_tokens, bool)
   dup[first] = False
   reqs[dup] = -1
-  return dict(kbs=kbs, bpk=bpk, bs=bs, table=table, counts=np.array(counts, np.int32), num_blocks=num_blocks,
-              reqs=reqs, pos=pos.astype(np.int32), rng=rng)
+  return dict(
+    kbs=kbs,
+    bpk=bpk,
+    bs=bs,
+    table=table,
+    counts=np.array(counts, np.int32),
+    num_blocks=num_blocks,
+    reqs=reqs,
+    pos=pos.astype(np.int32),
+    rng=rng,
+  )
 
 
 @pytest.mark.parametrize("mode", MODES)
 @given(batch=paged_batch())
 def test_dense_split_round_trip(mode, batch):
   with run_mode(mode):
-    slots = np.asarray(compute_slot_mapping(jnp.asarray(batch["table"]), jnp.asarray(batch["counts"]),
-                                            jnp.asarray(batch["reqs"]), jnp.asarray(batch["pos"]), block_size=batch["bs"]))
+    slots = np.asarray(
+      compute_slot_mapping(
+        jnp.asarray(batch["table"]),
+        jnp.asarray(batch["counts"]),
+        jnp.asarray(batch["reqs"]),
+        jnp.asarray(batch["pos"]),
+        block_size=batch["bs"],
+      )
+    )
     kt = np.asarray(map_to_kernel_blocks(jnp.asarray(batch["table"]), batch["bpk"], batch["bpk"]))
   check_dense_round_trip(batch, slots, kt)
 
@@ -118,9 +139,16 @@ def test_packed_compressed_round_trip(mode, batch, extra_pages, lead_pages):
   def slots_of(group, P, ratio):
     with run_mode(mode):
       kt = group.map_to_kernel_block_table(jnp.asarray(batch["table"]))
-      return np.asarray(compute_compressed_slot_mapping(
-          kt, jnp.asarray(batch["counts"] * group.blocks_per_kernel_block), jnp.asarray(batch["reqs"]),
-          jnp.asarray(batch["pos"]), states_per_page=P, compress_ratio=ratio))
+      return np.asarray(
+        compute_compressed_slot_mapping(
+          kt,
+          jnp.asarray(batch["counts"] * group.blocks_per_kernel_block),
+          jnp.asarray(batch["reqs"]),
+          jnp.asarray(batch["pos"]),
+          states_per_page=P,
+          compress_ratio=ratio,
+        )
+      )
 
   check_packed_round_trip(batch, extra_pages, lead_pages, slots_of)
 
@@ -128,8 +156,12 @@ def test_packed_compressed_round_trip(mode, batch, extra_pages, lead_pages):
 @given(batch=paged_batch(compress_ratio=4), extra_pages=st.integers(0, 3), lead_pages=st.integers(0, 2))
 def test_packed_compressed_round_trip_through_the_step_metadata_kernel(batch, extra_pages, lead_pages):
   def slots_of(group, P, ratio):
-    meta = kernel_metadata(batch, KernelTableGroup(0, group.blocks_per_kernel_block, group.stride, mapped=True,
-                                                   states_per_page=P, compress_ratio=ratio))
+    meta = kernel_metadata(
+      batch,
+      KernelTableGroup(
+        0, group.blocks_per_kernel_block, group.stride, mapped=True, states_per_page=P, compress_ratio=ratio
+      ),
+    )
     return np.asarray(meta.compressed_slot_mappings[0])
 
   check_packed_round_trip(batch, extra_pages, lead_pages, slots_of)
@@ -139,8 +171,9 @@ def check_packed_round_trip(batch, extra_pages, lead_pages, slots_of):
   ratio, row = 4, 12
   kbs, bpk, bs, table = batch["kbs"], batch["bpk"], batch["bs"], batch["table"]
   P = kbs // ratio
-  spec = MLAAttentionSpec(block_size=bs, num_kv_heads=1, head_size=8, dtype="uint8", state_content_bytes=row,
-                          compress_ratio=ratio)
+  spec = MLAAttentionSpec(
+    block_size=bs, num_kv_heads=1, head_size=8, dtype="uint8", state_content_bytes=row, compress_ratio=ratio
+  )
   group = AttentionGroup.create(AttentionBackend("pages", (kbs,)), ("idx",), spec, 0)
   # Each packed block: other layers' pages before and after this layer's bpk pages.
   block_bytes = (lead_pages + bpk + extra_pages) * P * row
@@ -156,17 +189,17 @@ def check_packed_round_trip(batch, extra_pages, lead_pages, slots_of):
   values = batch["rng"].integers(0, 255, (len(slots), row)).astype(np.uint8)
   for t in np.flatnonzero(slots >= 0):
     page, entry = divmod(int(slots[t]), P)
-    pages[view.base_row + page, entry * row:(entry + 1) * row] = values[t]
+    pages[view.base_row + page, entry * row : (entry + 1) * row] = values[t]
   written = pages.reshape(arena.shape)
   for t in np.flatnonzero(slots >= 0):
     r, p = batch["reqs"][t], batch["pos"][t]
     b, e = table[r, p // bs], (p % bs) // ratio
     start = lead_pages * P * row + e * row
-    np.testing.assert_array_equal(written[b, start:start + row], values[t])
+    np.testing.assert_array_equal(written[b, start : start + row], values[t])
   # Nothing outside this layer's pages of the written blocks changed.
   mask = np.ones_like(arena, bool)
   for t in np.flatnonzero(slots >= 0):
     r, p = batch["reqs"][t], batch["pos"][t]
     b, e = table[r, p // bs], (p % bs) // ratio
-    mask[b, lead_pages * P * row + e * row: lead_pages * P * row + (e + 1) * row] = False
+    mask[b, lead_pages * P * row + e * row : lead_pages * P * row + (e + 1) * row] = False
   assert (written[mask] == 0xAB).all()

@@ -25,8 +25,10 @@ def test_cache_write_matches_reference(layout, cache_dtype):
   assert entries.shape == (48, entry_bytes(cfg.kv_lora_rank, cache_dtype))
   t = [t for t in plan.tensors if t.name == v.tensor][0]
   poison = jnp.asarray(rng.integers(0, 256, (t.num_rows, t.row_bytes), dtype=np.uint8))
-  outs = {impl: write_to_paged_cache(jnp.copy(poison), entries, slots, view=v, implementation=impl)
-          for impl in ("pallas", "xla")}
+  outs = {
+    impl: write_to_paged_cache(jnp.copy(poison), entries, slots, view=v, implementation=impl)
+    for impl in ("pallas", "xla")
+  }
   np.testing.assert_array_equal(outs["pallas"], outs["xla"])
   # Independent check: every live token's bytes at block*page + offset, nothing else touched.
   expect = np.asarray(poison).copy().reshape(-1)
@@ -35,7 +37,7 @@ def test_cache_write_matches_reference(layout, cache_dtype):
     if s >= 0:
       blk, off = divmod(int(s), plan.block_size)
       start = blk * v.block_stride_bytes + v.tensor_offset_bytes + off * e
-      expect[start:start + e] = np.asarray(entries[i])
+      expect[start : start + e] = np.asarray(entries[i])
   np.testing.assert_array_equal(np.asarray(outs["pallas"]).reshape(-1), expect)
   back = decode_entries(entries, cache_dtype, cfg.kv_lora_rank)
   tol = 0.07 if cache_dtype == "fp8" else (1e-2 if cache_dtype == "bfloat16" else 0)
@@ -55,11 +57,16 @@ def test_cache_write_is_in_place_and_validates():
   with pytest.raises(ValueError, match=r"slots must be int32\[2\]"):
     write_to_paged_cache(jnp.zeros((4, 64), jnp.uint8), entries, jnp.array([1, 2, 3], jnp.int32), view=view)
   with pytest.raises(ValueError, match="whole 48-byte view rows"):
-    write_to_paged_cache(jnp.zeros((4, 64), jnp.uint8), entries, jnp.array([1, 2], jnp.int32),
-                         view=KernelView.for_rows(48, tokens_per_row=6))
+    write_to_paged_cache(
+      jnp.zeros((4, 64), jnp.uint8),
+      entries,
+      jnp.array([1, 2], jnp.int32),
+      view=KernelView.for_rows(48, tokens_per_row=6),
+    )
   with pytest.raises(ValueError, match="implementation must be one of"):
-    write_to_paged_cache(jnp.zeros((4, 64), jnp.uint8), entries, jnp.array([1, 2], jnp.int32), view=view,
-                         implementation="cuda")
+    write_to_paged_cache(
+      jnp.zeros((4, 64), jnp.uint8), entries, jnp.array([1, 2], jnp.int32), view=view, implementation="cuda"
+    )
 
 
 def test_round_to_e4m3_is_one_rounding_to_nearest_even():
@@ -73,9 +80,16 @@ def test_round_to_e4m3_is_one_rounding_to_nearest_even():
   grid = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
   grid = np.unique(grid[np.isfinite(grid)])
   mids = ((grid[:-1].astype(np.float64) + grid[1:]) / 2).astype(np.float32)
-  x = np.concatenate([grid, mids, np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(-np.inf)),
-                      rng.uniform(-448, 448, 20000).astype(np.float32),
-                      (rng.standard_normal(20000) * 0.01).astype(np.float32)])
+  x = np.concatenate(
+    [
+      grid,
+      mids,
+      np.nextafter(mids, np.float32(np.inf)),
+      np.nextafter(mids, np.float32(-np.inf)),
+      rng.uniform(-448, 448, 20000).astype(np.float32),
+      (rng.standard_normal(20000) * 0.01).astype(np.float32),
+    ]
+  )
   x = np.clip(x, -448, 448)
   got = np.asarray(round_to_e4m3(jnp.asarray(x)))
   want = x.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
@@ -88,9 +102,13 @@ def test_round_to_model_dtype_is_the_bfloat16_rounding():
   from pallas_kernels._common import round_to_model_dtype
 
   rng = np.random.default_rng(1)
-  x = np.concatenate([rng.standard_normal(50000).astype(np.float32) * 10.0 ** rng.integers(-20, 20, 50000),
-                      # ties: a bfloat16 value plus half its last place, both parities
-                      (np.arange(1, 5000, dtype=np.uint32) << 16 | 0x8000).view(np.float32)]).astype(np.float32)
+  x = np.concatenate(
+    [
+      rng.standard_normal(50000).astype(np.float32) * 10.0 ** rng.integers(-20, 20, 50000),
+      # ties: a bfloat16 value plus half its last place, both parities
+      (np.arange(1, 5000, dtype=np.uint32) << 16 | 0x8000).view(np.float32),
+    ]
+  ).astype(np.float32)
   want = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
   np.testing.assert_array_equal(np.asarray(round_to_model_dtype(jnp.asarray(x), jnp.bfloat16)), want)
   np.testing.assert_array_equal(np.asarray(round_to_model_dtype(jnp.asarray(x), jnp.float32)), x)
@@ -110,10 +128,13 @@ def test_compiled_kernels_refuse_byte_arrays_their_offsets_cannot_reach():
 
   row = 1 << 20
   write = lambda rows, interpret: jax.eval_shape(
-      functools.partial(write_to_paged_cache, view=KernelView.for_rows(row, tokens_per_row=1024, layer_name="lat"),
-                        interpret=interpret),
-      jax.ShapeDtypeStruct((rows, row), jnp.uint8), jax.ShapeDtypeStruct((8, 1024), jnp.uint8),
-      jax.ShapeDtypeStruct((8,), jnp.int32))
+    functools.partial(
+      write_to_paged_cache, view=KernelView.for_rows(row, tokens_per_row=1024, layer_name="lat"), interpret=interpret
+    ),
+    jax.ShapeDtypeStruct((rows, row), jnp.uint8),
+    jax.ShapeDtypeStruct((8, 1024), jnp.uint8),
+    jax.ShapeDtypeStruct((8,), jnp.int32),
+  )
   with pytest.raises(ValueError, match=r"the cache array of lat is 3221225472 bytes \(3.00 GiB\)"):
     write(3072, interpret=False)
   for rows, interpret in ((2048, False), (4097, False), (3072, True)):
@@ -121,10 +142,13 @@ def test_compiled_kernels_refuse_byte_arrays_their_offsets_cannot_reach():
   p, d, b = 64, 128, 4
   view = KernelView.for_rows(p * (d + 4), entries_per_page=p, layer_name="idx")
   mqa = lambda pages: jax.eval_shape(
-      functools.partial(paged_mqa_logits, view=view, cache_dtype="fp8", interpret=False),
-      jax.ShapeDtypeStruct((b, 1, 32, d), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((pages, p * (d + 4)), jnp.uint8),
-      jax.ShapeDtypeStruct((b, 32), jnp.float32), jax.ShapeDtypeStruct((b, 1), jnp.int32),
-      jax.ShapeDtypeStruct((b, 8), jnp.int32))
+    functools.partial(paged_mqa_logits, view=view, cache_dtype="fp8", interpret=False),
+    jax.ShapeDtypeStruct((b, 1, 32, d), jnp.float8_e4m3fn),
+    jax.ShapeDtypeStruct((pages, p * (d + 4)), jnp.uint8),
+    jax.ShapeDtypeStruct((b, 32), jnp.float32),
+    jax.ShapeDtypeStruct((b, 1), jnp.int32),
+    jax.ShapeDtypeStruct((b, 8), jnp.int32),
+  )
   with pytest.raises(ValueError, match="indexer cache array of idx"):
     mqa(400_000)  # 3.4 GB
   assert mqa(200_000).shape == (b, 8 * p)

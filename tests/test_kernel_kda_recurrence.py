@@ -22,8 +22,14 @@ def random_step(rng, lengths, num_tokens, num_slots):
   t, r = num_tokens, len(lengths) + 1
   f = lambda *s: rng.standard_normal(s).astype(np.float32)
   unit = lambda a: a / np.linalg.norm(a, axis=-1, keepdims=True)
-  args = dict(q=unit(f(t, H, K)) * K ** -0.5, k=unit(f(t, H, K)), v=f(t, H, V),
-              g=-np.abs(f(t, H, K)) * 0.5, beta=1 / (1 + np.exp(-f(t, H))), state=f(r, H, K, V) * 0.3)
+  args = dict(
+    q=unit(f(t, H, K)) * K**-0.5,
+    k=unit(f(t, H, K)),
+    v=f(t, H, V),
+    g=-np.abs(f(t, H, K)) * 0.5,
+    beta=1 / (1 + np.exp(-f(t, H))),
+    state=f(r, H, K, V) * 0.3,
+  )
   return args, req, slot, r
 
 
@@ -49,9 +55,14 @@ def test_kernel_matches_reference_and_oracle(lengths, num_slots):
   rng = np.random.default_rng(sum(lengths) * 31 + num_slots)
   args, req, slot, r = random_step(rng, lengths, 24, num_slots)
   poison = np.full((r, num_slots, H, K, V), np.nan, np.float32)
-  call = lambda impl, **kw: fused_recurrent_kda(**{k: jnp.asarray(a) for k, a in args.items()},
-                                                states=jnp.asarray(poison), req_indices=jnp.asarray(req),
-                                                slot=jnp.asarray(slot), implementation=impl, **kw)
+  call = lambda impl, **kw: fused_recurrent_kda(
+    **{k: jnp.asarray(a) for k, a in args.items()},
+    states=jnp.asarray(poison),
+    req_indices=jnp.asarray(req),
+    slot=jnp.asarray(slot),
+    implementation=impl,
+    **kw,
+  )
   o_k, st_k = (np.asarray(a) for a in call("pallas", block_v=16))
   o_r, st_r = (np.asarray(a) for a in call("xla"))
   o_n, saved = oracle(**args, req=req, slot=slot, num_slots=num_slots)
@@ -72,8 +83,13 @@ def test_kernel_is_batch_invariant():
   rng = np.random.default_rng(3)
   args, req, slot, r = random_step(rng, (4, 7, 2), 16, 1)
   states = jnp.zeros((r, 1, H, K, V), jnp.float32)
-  full_o, full_s = fused_recurrent_kda(**{k: jnp.asarray(a) for k, a in args.items()}, states=states,
-                                       req_indices=jnp.asarray(req), slot=jnp.asarray(slot), implementation="pallas")
+  full_o, full_s = fused_recurrent_kda(
+    **{k: jnp.asarray(a) for k, a in args.items()},
+    states=states,
+    req_indices=jnp.asarray(req),
+    slot=jnp.asarray(slot),
+    implementation="pallas",
+  )
   row = int(req[4])  # the second request: tokens 4 .. 10
   sel = np.where(req == row)[0]
   alone = {k: (a[sel] if k != "state" else a) for k, a in args.items()}
@@ -81,8 +97,13 @@ def test_kernel_is_batch_invariant():
   alone = {k: (pad(a) if k != "state" else a) for k, a in alone.items()}
   req_a = np.array([-1] * 3 + [row] * len(sel), np.int32)
   slot_a = np.array([-1] * 3 + list(slot[sel]), np.int32)
-  o, s = fused_recurrent_kda(**{k: jnp.asarray(a) for k, a in alone.items()}, states=jnp.zeros_like(states),
-                             req_indices=jnp.asarray(req_a), slot=jnp.asarray(slot_a), implementation="pallas")
+  o, s = fused_recurrent_kda(
+    **{k: jnp.asarray(a) for k, a in alone.items()},
+    states=jnp.zeros_like(states),
+    req_indices=jnp.asarray(req_a),
+    slot=jnp.asarray(slot_a),
+    implementation="pallas",
+  )
   np.testing.assert_array_equal(np.asarray(o)[3:], np.asarray(full_o)[sel])
   np.testing.assert_array_equal(np.asarray(s)[row], np.asarray(full_s)[row])
 
@@ -93,13 +114,22 @@ def test_bad_arguments_name_the_shapes():
   args = {k: jnp.asarray(a) for k, a in args.items()}
   states = jnp.zeros((r, 1, H, K, V), jnp.float32)
   with pytest.raises(ValueError, match=r"v \[T, H, V\]"):
-    fused_recurrent_kda(**{**args, "v": args["v"][:, :, :8].reshape(8, H * 2, 4)}, states=states,
-                        req_indices=jnp.asarray(req), slot=jnp.asarray(slot))
+    fused_recurrent_kda(
+      **{**args, "v": args["v"][:, :, :8].reshape(8, H * 2, 4)},
+      states=states,
+      req_indices=jnp.asarray(req),
+      slot=jnp.asarray(slot),
+    )
   with pytest.raises(ValueError, match="slot must be int32"):
     fused_recurrent_kda(**args, states=states, req_indices=jnp.asarray(req), slot=jnp.asarray(slot[:4]))
   with pytest.raises(ValueError, match="float32"):
-    fused_recurrent_kda(**{**args, "q": args["q"].astype(jnp.bfloat16)}, states=states,
-                        req_indices=jnp.asarray(req), slot=jnp.asarray(slot))
+    fused_recurrent_kda(
+      **{**args, "q": args["q"].astype(jnp.bfloat16)},
+      states=states,
+      req_indices=jnp.asarray(req),
+      slot=jnp.asarray(slot),
+    )
   with pytest.raises(ValueError, match="block_v must be a power of two"):
-    fused_recurrent_kda(**args, states=states, req_indices=jnp.asarray(req), slot=jnp.asarray(slot),
-                        implementation="pallas", block_v=12)
+    fused_recurrent_kda(
+      **args, states=states, req_indices=jnp.asarray(req), slot=jnp.asarray(slot), implementation="pallas", block_v=12
+    )

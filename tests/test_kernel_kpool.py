@@ -32,8 +32,8 @@ def run_chunks(layout, cache_dtype, model_dtype, lengths, chunk_sizes, rng, impl
       take = min(n - done[r], chunk_sizes[step % len(chunk_sizes)], budget)
       if take > 0:
         chunks.append((r, done[r], take))
-        ks.append(keys[r][done[r]:done[r] + take])
-        gs.append(gates[r][done[r]:done[r] + take])
+        ks.append(keys[r][done[r] : done[r] + take])
+        gs.append(gates[r][done[r] : done[r] + take])
         budget -= take
     step += 1
     batch = build_batch(chunks, NUM_TOKENS)
@@ -43,26 +43,52 @@ def run_chunks(layout, cache_dtype, model_dtype, lengths, chunk_sizes, rng, impl
     tail_slots = slots_for(plan, tables, batch, tail_name)
     cslots = slots_for(plan, tables, batch, idx_name)
     cache, tail = kpool_compress_and_write(
-        arrays[idx_b.tensor], None if shared else arrays[tail_b.tensor], k, g, ape,
-        jnp.asarray(batch.positions), jnp.asarray(batch.req_indices), tail_slots, cslots, view=idx_b, tail_view=tail_b,
-        kpool=kpool, cache_dtype=cache_dtype, implementation=implementation)
+      arrays[idx_b.tensor],
+      None if shared else arrays[tail_b.tensor],
+      k,
+      g,
+      ape,
+      jnp.asarray(batch.positions),
+      jnp.asarray(batch.req_indices),
+      tail_slots,
+      cslots,
+      view=idx_b,
+      tail_view=tail_b,
+      kpool=kpool,
+      cache_dtype=cache_dtype,
+      implementation=implementation,
+    )
     arrays[idx_b.tensor] = cache
     if not shared:
       arrays[tail_b.tensor] = tail
     for r, start, n in chunks:
       done[r] = start + n
-  return dict(cfg=cfg, plan=plan, arrays=arrays, poison=poison, keys=keys, gates=gates, ape=ape, tables=tables,
-              idx=(idx_ag, idx_b), tail=(tail_ag, tail_b), ring=ring)
+  return dict(
+    cfg=cfg,
+    plan=plan,
+    arrays=arrays,
+    poison=poison,
+    keys=keys,
+    gates=gates,
+    ape=ape,
+    tables=tables,
+    idx=(idx_ag, idx_b),
+    tail=(tail_ag, tail_b),
+    ring=ring,
+  )
 
 
 @pytest.mark.parametrize("layout", ["packed", "dense"])
-@pytest.mark.parametrize("cache_dtype, model_dtype", [("fp8", jnp.bfloat16), ("float32", jnp.float32),
-                                                      ("bfloat16", jnp.bfloat16)])
+@pytest.mark.parametrize(
+  "cache_dtype, model_dtype", [("fp8", jnp.bfloat16), ("float32", jnp.float32), ("bfloat16", jnp.bfloat16)]
+)
 def test_chunked_compression_matches_whole_sequence_pooling(layout, cache_dtype, model_dtype):
   lengths = [37, 6, 300, 1]  # pools spanning chunks and blocks (block 512 = 128 pools), a lone token
   chunk_sizes = [5, 3, 9, 1, 14]  # starts and ends mid-pool
-  runs = {impl: run_chunks(layout, cache_dtype, model_dtype, lengths, chunk_sizes, np.random.default_rng(7), impl)
-          for impl in ("pallas", "xla")}
+  runs = {
+    impl: run_chunks(layout, cache_dtype, model_dtype, lengths, chunk_sizes, np.random.default_rng(7), impl)
+    for impl in ("pallas", "xla")
+  }
   for name in runs["xla"]["arrays"]:
     np.testing.assert_array_equal(runs["pallas"]["arrays"][name], runs["xla"]["arrays"][name], err_msg=name)
   run = runs["pallas"]
@@ -81,8 +107,9 @@ def test_chunked_compression_matches_whole_sequence_pooling(layout, cache_dtype,
     g = run["gates"][r][: num_pools * kpool].reshape(num_pools, kpool, d)
     want = combine_pool(k, g, run["ape"]).astype(model_dtype).astype(jnp.float32)
     e = np.arange(num_pools)
-    vals, scales = read_indexer_entries(arena, jnp.asarray(kt[r, e // P]), view=idx_b, head_dim=d,
-                                        cache_dtype=cache_dtype)
+    vals, scales = read_indexer_entries(
+      arena, jnp.asarray(kt[r, e // P]), view=idx_b, head_dim=d, cache_dtype=cache_dtype
+    )
     got = np.asarray(vals)[e, e % P] * np.asarray(scales)[e, e % P][:, None]
     if cache_dtype == "fp8":
       # e4m3 keeps 3 mantissa bits; the scale is the power of two just above amax / 448.
@@ -104,7 +131,7 @@ def test_tail_ring_holds_each_requests_last_tokens():
   gid = tail_b.kv_cache_group_id
   for r, n in enumerate(lengths):
     block = run["tables"][gid].block_table[r, 0]
-    page = arena[block, tail_b.tensor_offset_bytes: tail_b.tensor_offset_bytes + tail_b.page_bytes]
+    page = arena[block, tail_b.tensor_offset_bytes : tail_b.tensor_offset_bytes + tail_b.page_bytes]
     kg = page.view(np.float32).reshape(2, ring, d)
     for p in range(max(0, n - ring), n):
       np.testing.assert_array_equal(kg[0, p % ring], np.asarray(run["keys"][r][p]))

@@ -27,8 +27,10 @@ def make_pages(rng, num_pages, p, d, cache_dtype, lead_bytes=0):
   return raw, exact
 
 
-@pytest.mark.parametrize("cache_dtype, q_dtype", [("fp8", jnp.float8_e4m3fn), ("fp8", jnp.bfloat16),
-                                                  ("bfloat16", jnp.bfloat16), ("float32", jnp.float32)])
+@pytest.mark.parametrize(
+  "cache_dtype, q_dtype",
+  [("fp8", jnp.float8_e4m3fn), ("fp8", jnp.bfloat16), ("bfloat16", jnp.bfloat16), ("float32", jnp.float32)],
+)
 @pytest.mark.parametrize("p, next_n", [(64, 1), (32, 2), (32, 3)])
 def test_paged_mqa_logits(cache_dtype, q_dtype, p, next_n):
   rng = np.random.default_rng(p * 10 + next_n)
@@ -76,11 +78,23 @@ VIEW = KernelView.for_rows(64 * 20, entries_per_page=64)
 def test_validation_names_shapes():
   q = jnp.zeros((2, 1, 4, 16), jnp.bfloat16)
   with pytest.raises(ValueError, match=r"weights must be float32\[2, 4\]"):
-    paged_mqa_logits(q, jnp.zeros((4, 64 * 20), jnp.uint8), jnp.zeros((2, 3), jnp.float32),
-                     jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 2), jnp.int32), view=VIEW)
+    paged_mqa_logits(
+      q,
+      jnp.zeros((4, 64 * 20), jnp.uint8),
+      jnp.zeros((2, 3), jnp.float32),
+      jnp.zeros((2, 1), jnp.int32),
+      jnp.zeros((2, 2), jnp.int32),
+      view=VIEW,
+    )
   with pytest.raises(ValueError, match="whole 1280-byte view rows"):
-    paged_mqa_logits(q, jnp.zeros((4, 1000), jnp.uint8), jnp.zeros((2, 4), jnp.float32),
-                     jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 2), jnp.int32), view=VIEW)
+    paged_mqa_logits(
+      q,
+      jnp.zeros((4, 1000), jnp.uint8),
+      jnp.zeros((2, 4), jnp.float32),
+      jnp.zeros((2, 1), jnp.int32),
+      jnp.zeros((2, 2), jnp.int32),
+      view=VIEW,
+    )
 
 
 @pytest.mark.parametrize("cache_dtype", ["fp8", "float32"])
@@ -93,20 +107,24 @@ def test_unsplit_layer_of_a_packed_row(cache_dtype):
   offset = 512
   width = round_up(offset + page, 512) + 512  # other layers' bytes before and after
   rows = rng.integers(0, 256, (blocks, width), dtype=np.uint8)
-  rows[:, offset:offset + page] = raw
+  rows[:, offset : offset + page] = raw
   table = np.array([[3], [5]], np.int32)
   ctx = np.array([[p], [p - 7]], np.int32)
   q = jnp.asarray(rng.standard_normal((b, 1, h, d)).astype(np.float32))
   w = jnp.asarray(rng.standard_normal((b, h)).astype(np.float32))
   kw = dict(view=KernelView.for_rows(rows.shape[1], entries_per_page=p, offset_bytes=offset), cache_dtype=cache_dtype)
-  got = {impl: np.asarray(paged_mqa_logits(q, jnp.asarray(rows), w, jnp.asarray(ctx), jnp.asarray(table), **kw,
-                                           implementation=impl)) for impl in ("pallas", "xla")}
+  got = {
+    impl: np.asarray(
+      paged_mqa_logits(q, jnp.asarray(rows), w, jnp.asarray(ctx), jnp.asarray(table), **kw, implementation=impl)
+    )
+    for impl in ("pallas", "xla")
+  }
   for i in range(b):
     k = exact[table[i, 0]].astype(np.float64)
     want = (np.maximum(np.asarray(q[i, 0], np.float64) @ k.T, 0) * np.asarray(w[i], np.float64)[:, None]).sum(0)
     for out in got.values():
       np.testing.assert_allclose(out[i, : ctx[i, 0]], want[: ctx[i, 0]], rtol=2e-2, atol=2e-2 * np.abs(want).max())
-      assert np.isneginf(out[i, ctx[i, 0]:]).all()
+      assert np.isneginf(out[i, ctx[i, 0] :]).all()
 
 
 def test_stages_follow_entry_size_and_shared_memory():

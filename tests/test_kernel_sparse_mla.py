@@ -67,12 +67,26 @@ def test_sparse_mla_decode(layout, cache_dtype, rank):
 def test_validation():
   q = jnp.zeros((2, 4, 32), jnp.float32)
   with pytest.raises(ValueError, match=r"req_indices must be int32\[2\]"):
-    sparse_mla_decode(q, jnp.zeros((4, 64 * 64), jnp.uint8), jnp.zeros((2, 8), jnp.int32), jnp.zeros(3, jnp.int32),
-                      jnp.zeros((2, 2), jnp.int32), view=KernelView.for_rows(64 * 64, tokens_per_row=64), sm_scale=1.0)
+    sparse_mla_decode(
+      q,
+      jnp.zeros((4, 64 * 64), jnp.uint8),
+      jnp.zeros((2, 8), jnp.int32),
+      jnp.zeros(3, jnp.int32),
+      jnp.zeros((2, 2), jnp.int32),
+      view=KernelView.for_rows(64 * 64, tokens_per_row=64),
+      sm_scale=1.0,
+    )
   with pytest.raises(ValueError, match="multiple of 128.*got 160"):
-    sparse_mla_decode(jnp.zeros((2, 4, 160), jnp.float32), jnp.zeros((4, 64 * 64), jnp.uint8), jnp.zeros((2, 8), jnp.int32), jnp.zeros(2, jnp.int32),
-                      jnp.zeros((2, 2), jnp.int32), view=KernelView.for_rows(64 * 64, tokens_per_row=64), sm_scale=1.0,
-                      cache_dtype="fp8")
+    sparse_mla_decode(
+      jnp.zeros((2, 4, 160), jnp.float32),
+      jnp.zeros((4, 64 * 64), jnp.uint8),
+      jnp.zeros((2, 8), jnp.int32),
+      jnp.zeros(2, jnp.int32),
+      jnp.zeros((2, 2), jnp.int32),
+      view=KernelView.for_rows(64 * 64, tokens_per_row=64),
+      sm_scale=1.0,
+      cache_dtype="fp8",
+    )
 
 
 H200_SHARED_MEMORY = 232_448  # cuDeviceGetAttribute(MAX_SHARED_MEMORY_PER_BLOCK_OPTIN) on the H200
@@ -92,5 +106,7 @@ def test_tiles_follow_entry_size_and_shared_memory():
       bh, bk = sparse_mla_decode_tiles(64, 512, dtype, smem)
       assert sparse_mla_shared_memory(bh, bk, 512, dtype) <= smem
   assert sparse_mla_decode_tiles(64, 512, "float32", 101_376) == (32, 16)
-  with pytest.raises(ValueError, match=r"float32 latents of 512 need 67,584 bytes .* than the 49,152 .*--implementation xla"):
+  with pytest.raises(
+    ValueError, match=r"float32 latents of 512 need 67,584 bytes .* than the 49,152 .*--implementation xla"
+  ):
     sparse_mla_decode_tiles(64, 512, "float32", 49_152)

@@ -4,7 +4,6 @@ positions up to 2**31 - 1, padding, invalid rows, DCP ranks, rings, compressed c
 packed plans, poisoned kernel-table buffers. Interpret mode on the CPU, compiled on a GPU."""
 
 import chex
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,17 +14,30 @@ from pallas_kernels import compute_step_metadata, compute_step_metadata_referenc
 
 # Eight KV-cache groups: token groups of four block sizes, two rings, two recurrent states.
 SPEC = StepMetadataSpec(
-    slot_groups=(SlotGroup("tokens", 16), SlotGroup("tokens", 64), SlotGroup("tokens", 256), SlotGroup("ring", 8),
-                 SlotGroup("ring", 128), SlotGroup("none", 64), SlotGroup("none", 64), SlotGroup("tokens", 1024)),
-    attention_groups=(
-        KernelTableGroup(0),  # unsplit token cache
-        KernelTableGroup(2, blocks_per_kernel_block=4, stride=4, mapped=True),  # dense split
-        KernelTableGroup(2, blocks_per_kernel_block=2, stride=7, mapped=True, states_per_page=32,
-                         compress_ratio=4),  # packed, re-strided compressed cache
-        KernelTableGroup(1, states_per_page=16, compress_ratio=4),  # unsplit compressed cache
-        KernelTableGroup(3), KernelTableGroup(4), KernelTableGroup(5), KernelTableGroup(6),
-        KernelTableGroup(7, blocks_per_kernel_block=16, stride=16, mapped=True),
-    ))
+  slot_groups=(
+    SlotGroup("tokens", 16),
+    SlotGroup("tokens", 64),
+    SlotGroup("tokens", 256),
+    SlotGroup("ring", 8),
+    SlotGroup("ring", 128),
+    SlotGroup("none", 64),
+    SlotGroup("none", 64),
+    SlotGroup("tokens", 1024),
+  ),
+  attention_groups=(
+    KernelTableGroup(0),  # unsplit token cache
+    KernelTableGroup(2, blocks_per_kernel_block=4, stride=4, mapped=True),  # dense split
+    KernelTableGroup(
+      2, blocks_per_kernel_block=2, stride=7, mapped=True, states_per_page=32, compress_ratio=4
+    ),  # packed, re-strided compressed cache
+    KernelTableGroup(1, states_per_page=16, compress_ratio=4),  # unsplit compressed cache
+    KernelTableGroup(3),
+    KernelTableGroup(4),
+    KernelTableGroup(5),
+    KernelTableGroup(6),
+    KernelTableGroup(7, blocks_per_kernel_block=16, stride=16, mapped=True),
+  ),
+)
 NUM_ROWS = 6
 
 
@@ -49,7 +61,9 @@ def oracle(spec, tables, counts, req, pos):
           if spec.dcp_size > 1:
             vb, vo = divmod(p, bs * spec.dcp_size)
             local = (vo // spec.dcp_interleave) % spec.dcp_size == spec.dcp_rank
-            lp = vb * bs + (vo // (spec.dcp_interleave * spec.dcp_size)) * spec.dcp_interleave + vo % spec.dcp_interleave
+            lp = (
+              vb * bs + (vo // (spec.dcp_interleave * spec.dcp_size)) * spec.dcp_interleave + vo % spec.dcp_interleave
+            )
           c = lp // bs
           if local and c < tables[g].shape[1] and c < counts[g][r]:
             s = int(tables[g][r, c]) * bs + lp % bs
@@ -90,24 +104,36 @@ def random_step(spec, rng, num_tokens, max_id=50_000):
     counts.append(n)
   req = rng.integers(-1, NUM_ROWS + 1, num_tokens).astype(np.int32)  # -1 and NUM_ROWS: no row
   kind = rng.integers(0, 5, num_tokens)
-  pos = np.select([kind == 0, kind == 1, kind == 2, kind == 3],
-                  [rng.integers(0, 160, num_tokens), rng.integers(0, 1024 * 8, num_tokens),
-                   rng.integers(0, 2**31, num_tokens), np.full(num_tokens, 2**31 - 1)],
-                  rng.integers(-5, 0, num_tokens)).astype(np.int32)
+  pos = np.select(
+    [kind == 0, kind == 1, kind == 2, kind == 3],
+    [
+      rng.integers(0, 160, num_tokens),
+      rng.integers(0, 1024 * 8, num_tokens),
+      rng.integers(0, 2**31, num_tokens),
+      np.full(num_tokens, 2**31 - 1),
+    ],
+    rng.integers(-5, 0, num_tokens),
+  ).astype(np.int32)
   return tables, counts, req, pos
 
 
 def poisoned_buffers(spec, tables, rng):
   return tuple(
-      jnp.asarray(rng.integers(-2**31, 2**31 - 1, (NUM_ROWS, tables[ag.kv_cache_group_id].shape[1]
-                                                   * ag.blocks_per_kernel_block)), jnp.int32) if ag.mapped else None
-      for ag in spec.attention_groups)
+    jnp.asarray(
+      rng.integers(-(2**31), 2**31 - 1, (NUM_ROWS, tables[ag.kv_cache_group_id].shape[1] * ag.blocks_per_kernel_block)),
+      jnp.int32,
+    )
+    if ag.mapped
+    else None
+    for ag in spec.attention_groups
+  )
 
 
 def check_against_oracle(spec, meta, tables, counts, req, pos):
   slot_rows, comp_rows, kts = oracle(spec, tables, counts, req, pos)
-  for got, want in zip(meta.slot_mappings + meta.compressed_slot_mappings + meta.kernel_block_tables,
-                       slot_rows + comp_rows + kts):
+  for got, want in zip(
+    meta.slot_mappings + meta.compressed_slot_mappings + meta.kernel_block_tables, slot_rows + comp_rows + kts
+  ):
     assert (got is None) == (want is None)
     if want is not None:
       np.testing.assert_array_equal(np.asarray(got), want)
@@ -138,8 +164,9 @@ def test_without_buffers_maps_no_table_and_gives_the_same_slots():
   for impl in ("pallas", "xla"):
     bare = compute_step_metadata(*args, spec=SPEC, implementation=impl)
     assert all(t is None for t in bare.kernel_block_tables)
-    chex.assert_trees_all_equal((bare.slot_mappings, bare.compressed_slot_mappings),
-                                (full.slot_mappings, full.compressed_slot_mappings))
+    chex.assert_trees_all_equal(
+      (bare.slot_mappings, bare.compressed_slot_mappings), (full.slot_mappings, full.compressed_slot_mappings)
+    )
 
 
 @pytest.mark.parametrize("layout", ["packed", "dense"])
@@ -154,8 +181,9 @@ def test_real_plans_match_the_slots_each_writer_used(layout):
   bt = tuple(jnp.asarray(t.block_table) for t in tables.block_tables)
   nb = tuple(jnp.asarray(t.num_blocks_per_row) for t in tables.block_tables)
   bufs = tuple(None if b is None else jnp.full(b.shape, -7, jnp.int32) for b in plan.init_kernel_block_tables(4))
-  meta = compute_step_metadata(bt, nb, jnp.asarray(batch.req_indices), jnp.asarray(batch.positions), bufs,
-                               spec=spec, implementation="pallas")
+  meta = compute_step_metadata(
+    bt, nb, jnp.asarray(batch.req_indices), jnp.asarray(batch.positions), bufs, spec=spec, implementation="pallas"
+  )
   for view in plan.views:
     ag = plan.attention_groups[view.attention_group_id]
     if spec.slot_groups[view.kv_cache_group_id].kind == "none":  # recurrent state: addressed by state slot
@@ -165,8 +193,10 @@ def test_real_plans_match_the_slots_each_writer_used(layout):
     got = compressed if compressed is not None else meta.slot_mappings[view.kv_cache_group_id]
     np.testing.assert_array_equal(np.asarray(got), want, err_msg=view.layer_name)
     if ag.kernel_block_size is not None:
-      np.testing.assert_array_equal(np.asarray(meta.kernel_block_tables[view.attention_group_id]),
-                                    np.asarray(ag.map_to_kernel_block_table(bt[view.kv_cache_group_id])))
+      np.testing.assert_array_equal(
+        np.asarray(meta.kernel_block_tables[view.attention_group_id]),
+        np.asarray(ag.map_to_kernel_block_table(bt[view.kv_cache_group_id])),
+      )
 
 
 def test_errors_name_the_values():

@@ -4,13 +4,13 @@ import numpy as np
 import pytest
 
 from jaxkv import (
-    BlockPool,
-    CircularBufferSpec,
-    FullAttentionSpec,
-    KVCacheManager,
-    LinearAttentionStateSpec,
-    MLAAttentionSpec,
-    SlidingWindowSpec,
+  BlockPool,
+  CircularBufferSpec,
+  FullAttentionSpec,
+  KVCacheManager,
+  LinearAttentionStateSpec,
+  MLAAttentionSpec,
+  SlidingWindowSpec,
 )
 
 BS = 16

@@ -1,20 +1,27 @@
 import pytest
 
 from jaxkv import (
-    AttentionBackend,
-    CircularBufferSpec,
-    FullAttentionSpec,
-    LinearAttentionStateSpec,
-    MLAAttentionSpec,
-    MultipleOf,
-    customize_attention_spec,
-    select_common_block_size,
+  AttentionBackend,
+  CircularBufferSpec,
+  FullAttentionSpec,
+  LinearAttentionStateSpec,
+  MLAAttentionSpec,
+  MultipleOf,
+  customize_attention_spec,
+  select_common_block_size,
 )
 
 
 def kpool_spec(block_size, alignment=None):
-  return MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=128, dtype="uint8",
-                          state_content_bytes=132, compress_ratio=4, block_stride_alignment=alignment)
+  return MLAAttentionSpec(
+    block_size=block_size,
+    num_kv_heads=1,
+    head_size=128,
+    dtype="uint8",
+    state_content_bytes=132,
+    compress_ratio=4,
+    block_stride_alignment=alignment,
+  )
 
 
 @pytest.mark.parametrize("block_size, expected", [(1024, 64 * 132), (384, 32 * 132), (256, 1)])
@@ -28,7 +35,10 @@ def test_customize_gives_fixed_size_backends_multiple_of_max():
   spec = customize_attention_spec(AttentionBackend("idx", (128, 256)), kpool_spec(1024))
   assert spec.block_stride_alignment == MultipleOf(256)
   # MultipleOf backends and explicit alignments are left alone.
-  assert customize_attention_spec(AttentionBackend("mla", (MultipleOf(64),)), kpool_spec(1024)).block_stride_alignment is None
+  assert (
+    customize_attention_spec(AttentionBackend("mla", (MultipleOf(64),)), kpool_spec(1024)).block_stride_alignment
+    is None
+  )
   assert customize_attention_spec(AttentionBackend("idx", (128,)), kpool_spec(1024, 7)).block_stride_alignment == 7
 
 
@@ -67,8 +77,9 @@ def test_circular_buffer_spec():
 
 
 def test_linear_attention_state_spec():
-  spec = LinearAttentionStateSpec(block_size=64, shapes=((3, 8192),) * 3 + ((64, 128, 128),),
-                                  dtypes=("bfloat16",) * 3 + ("float32",))
+  spec = LinearAttentionStateSpec(
+    block_size=64, shapes=((3, 8192),) * 3 + ((64, 128, 128),), dtypes=("bfloat16",) * 3 + ("float32",)
+  )
   assert spec.page_size_bytes == 3 * 3 * 8192 * 2 + 64 * 128 * 128 * 4
   assert spec.max_num_blocks_per_req(10**6) == 1 and not spec.uses_slot_mapping
   assert spec.copy_with_new_block_size(1024).page_size_bytes == spec.page_size_bytes

@@ -25,8 +25,13 @@ PROMPT = prompts()[0]  # 2 blocks + 20 tokens: hits of 2 blocks (1 with drafts)
 
 
 def engine(**kw) -> LLMEngine:
-  cache = CacheConfig(block_size=BS, max_model_len=512, layout=kw.pop("layout", "packed"),
-                      num_speculative_tokens=kw.pop("k", 0), memory_bytes=kw.pop("memory_bytes", 64 << 20))
+  cache = CacheConfig(
+    block_size=BS,
+    max_model_len=512,
+    layout=kw.pop("layout", "packed"),
+    num_speculative_tokens=kw.pop("k", 0),
+    memory_bytes=kw.pop("memory_bytes", 64 << 20),
+  )
   return LLMEngine(runner(), EngineConfig(cache=cache, buckets=(136,), max_num_batched_tokens=128, **kw))
 
 
@@ -162,6 +167,7 @@ def test_offload_needs_prefix_caching_and_a_directory():
 
 # -- swap on preemption ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("k", [0, 3])
 def test_swap_preempted_requests_produce_what_they_produce_unpreempted(k):
   """With drafts (k=3) a request is preempted holding a block for rejected draft positions; it
@@ -206,6 +212,7 @@ def test_fingerprint_separates_models_and_layouts():
 
 # -- tier reliability (issue 32) ----------------------------------------------------------------
 
+
 def test_host_tier_counts_whole_transfers_within_capacity():
   """A padded save batch stays alive while any of its keys does: the tier counts all of it."""
   rows = np.arange(800, dtype=np.uint8).reshape(8, 100)  # one key, padded to 8 rows
@@ -235,7 +242,7 @@ def test_offload_admission_reserves_before_touching():
   prefix = {pool.get_cached_block(hashes[i], g).block_id for i in range(2) for g in token_groups}
   # Leave free: the prefix blocks and one block fewer than the loads.
   others = [i for i in list(pool._free) if i not in prefix]
-  pool.touch([pool.blocks[i] for i in others[len(states) - 1:]])
+  pool.touch([pool.blocks[i] for i in others[len(states) - 1 :]])
   assert pool.get_num_free_blocks() == len(prefix) + len(states) - 1 >= len(states)
   assert e.connector.get_num_new_matched_tokens(kv, "probe", PROMPT) == 0
   assert all(pool.blocks[i].ref_cnt == 0 for i in prefix)  # untouched, still free and cached
@@ -373,9 +380,15 @@ def test_randomized_tier_stress(tier, tmp_path):
   alone = [r.output_token_ids for r in engine(k=2).generate(prompts_, sampling)]
   probe = engine(k=2)
   tight = (1 + 3 * (probe.plan.blocks_per_request(1) + 1) + 1) * probe.plan.bytes_per_block
-  e = engine(k=2, memory_bytes=tight, preemption_mode="swap", enable_prefix_caching=True, kv_offload=tier,
-             kv_offload_bytes=6 * probe.plan.bytes_per_block,
-             **({"kv_offload_dir": str(tmp_path)} if tier == "disk" else {}))
+  e = engine(
+    k=2,
+    memory_bytes=tight,
+    preemption_mode="swap",
+    enable_prefix_caching=True,
+    kv_offload=tier,
+    kv_offload_bytes=6 * probe.plan.bytes_per_block,
+    **({"kv_offload_dir": str(tmp_path)} if tier == "disk" else {}),
+  )
   pending, aborted, done = list(range(len(prompts_))), set(), set()
   streamed = collections.defaultdict(list)
   while pending or e.has_unfinished():

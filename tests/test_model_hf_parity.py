@@ -66,12 +66,18 @@ def test_loader_rejects_unknown_missing_and_misshaped(tmp_path):
   src = FIXTURES / "tiny"
   tensors = load_file(src / "model.safetensors")
   cases = {
-      "unknown": ({**tensors, "model.language_model.layers.0.self_attn.bogus.weight": np.zeros(3, np.float32)},
-                  "unknown tensors: \\['layers.0.self_attn.bogus.weight'\\]"),
-      "missing": ({k: v for k, v in tensors.items() if not k.endswith("layers.2.self_attn.kv_b_proj.weight")},
-                  "missing tensors: \\['layers.2.self_attn.kv_b_proj.weight'\\]"),
-      "misshaped": ({**tensors, "model.language_model.norm.weight": np.zeros(65, np.float32)},
-                    "mis-shaped tensors: \\['norm.weight: checkpoint \\[65\\], model \\[64\\]'\\]"),
+    "unknown": (
+      {**tensors, "model.language_model.layers.0.self_attn.bogus.weight": np.zeros(3, np.float32)},
+      "unknown tensors: \\['layers.0.self_attn.bogus.weight'\\]",
+    ),
+    "missing": (
+      {k: v for k, v in tensors.items() if not k.endswith("layers.2.self_attn.kv_b_proj.weight")},
+      "missing tensors: \\['layers.2.self_attn.kv_b_proj.weight'\\]",
+    ),
+    "misshaped": (
+      {**tensors, "model.language_model.norm.weight": np.zeros(65, np.float32)},
+      "mis-shaped tensors: \\['norm.weight: checkpoint \\[65\\], model \\[64\\]'\\]",
+    ),
   }
   for name, (ts, msg) in cases.items():
     d = tmp_path / name
@@ -92,7 +98,8 @@ def test_loader_reads_sharded_checkpoints_and_keeps_stored_dtype(tmp_path):
   for fname, ks in halves.items():
     save_file({k: tensors[k] for k in ks}, str(tmp_path / fname))
   (tmp_path / "model.safetensors.index.json").write_text(
-      json.dumps({"weight_map": {k: f for f, ks in halves.items() for k in ks}}))
+    json.dumps({"weight_map": {k: f for f, ks in halves.items() for k in ks}})
+  )
   shutil.copy(src / "config.json", tmp_path / "config.json")
   _, sharded = load_checkpoint(tmp_path)
   _, single = load_checkpoint(src)
@@ -119,13 +126,18 @@ def test_loader_refuses_what_it_cannot_load_safely(tmp_path):
   outside = _checkpoint_dir(tmp_path, "base")
   d = _checkpoint_dir(tmp_path, "evil")
   (d / "model.safetensors").unlink()
-  (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": "../base/model.safetensors"}}))
+  (d / "model.safetensors.index.json").write_text(
+    json.dumps({"weight_map": {"lm_head.weight": "../base/model.safetensors"}})
+  )
   with pytest.raises(ValueError, match="shard '../base/model.safetensors' is outside the checkpoint directory"):
     load_checkpoint(d)
   assert (outside / "model.safetensors").is_file()
   # Corrupted files: a ValueError naming the file, not the library's own error.
-  for name, data in {"empty": b"", "truncated": (outside / "model.safetensors").read_bytes()[:100],
-                     "random": np.random.default_rng(0).bytes(4096)}.items():
+  for name, data in {
+    "empty": b"",
+    "truncated": (outside / "model.safetensors").read_bytes()[:100],
+    "random": np.random.default_rng(0).bytes(4096),
+  }.items():
     bad = _checkpoint_dir(tmp_path, name)
     (bad / "model.safetensors").write_bytes(data)
     with pytest.raises(ValueError, match=r"model\.safetensors is not a readable safetensors file"):
@@ -144,7 +156,9 @@ def test_loader_refuses_what_it_cannot_load_safely(tmp_path):
     load_checkpoint(nan_dir)  # unchecked, it loads as stored, said once
 
 
-@pytest.mark.parametrize("change, message", [
+@pytest.mark.parametrize(
+  "change, message",
+  [
     ({"num_hidden_layers": None}, "num_hidden_layers must be an integer in \\[1, 1024\\], got None"),
     ({"num_hidden_layers": 10**4}, "num_hidden_layers must be an integer in \\[1, 1024\\], got 10000"),
     ({"index_kpool": 0}, "index_kpool must be an integer in \\[1, "),
@@ -157,7 +171,8 @@ def test_loader_refuses_what_it_cannot_load_safely(tmp_path):
     ({"rms_norm_eps": -1}, "rms_norm_eps must be > 0"),
     ({"rms_norm_eps": "1e-6"}, "rms_norm_eps must be a number, got '1e-6'"),
     ({"norm_topk_prob": "false"}, "norm_topk_prob must be true or false, got 'false'"),
-])
+  ],
+)
 def test_config_values_are_checked_before_anything_is_built(change, message):
   from models.glm5_next.config import Glm5NextConfig
 
@@ -176,14 +191,22 @@ def test_config_that_is_not_an_object_is_refused(raw):
     Glm5NextConfig.from_hf_dict(raw)
 
 
-_ANY_JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats() | st.text(max_size=5),
-                         lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
-                         max_leaves=5)
+_ANY_JSON = st.recursive(
+  st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats() | st.text(max_size=5),
+  lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
+  max_leaves=5,
+)
 
 
 @hypothesis.settings(max_examples=200, deadline=2000)
-@hypothesis.given(changes=st.dictionaries(st.sampled_from(sorted(json.loads(
-    (FIXTURES / "tiny" / "config.json").read_text())["text_config"])), _ANY_JSON, min_size=1, max_size=4))
+@hypothesis.given(
+  changes=st.dictionaries(
+    st.sampled_from(sorted(json.loads((FIXTURES / "tiny" / "config.json").read_text())["text_config"])),
+    _ANY_JSON,
+    min_size=1,
+    max_size=4,
+  )
+)
 def test_config_parser_fuzz_ends_in_a_config_or_a_value_error(changes):
   from models.glm5_next.config import Glm5NextConfig
 
@@ -220,18 +243,26 @@ def test_config_forms_resolve_as_hf():
   for case in cases:
     ours, hf = Glm5NextConfig.from_hf_dict(case["config"]), case["hf"]
     eos = hf["eos_token_id"]
-    got = {"n_routed_experts": ours.n_routed_experts, "indexer_types": list(ours.indexer_types),
-           "layer_types": list(ours.layer_types), "mlp_layer_types": list(ours.mlp_layer_types),
-           "linear_num_heads": ours.linear_num_heads, "linear_head_dim": ours.linear_head_dim,
-           "linear_conv_kernel_dim": ours.linear_conv_kernel_dim, "linear_lower_bound": ours.linear_gate_lower_bound,
-           "pad_token_id": ours.pad_token_id,
-           "eos_token_id": list(ours.eos_token_id) if isinstance(eos, list) else (ours.eos_token_id or (None,))[0]}
+    got = {
+      "n_routed_experts": ours.n_routed_experts,
+      "indexer_types": list(ours.indexer_types),
+      "layer_types": list(ours.layer_types),
+      "mlp_layer_types": list(ours.mlp_layer_types),
+      "linear_num_heads": ours.linear_num_heads,
+      "linear_head_dim": ours.linear_head_dim,
+      "linear_conv_kernel_dim": ours.linear_conv_kernel_dim,
+      "linear_lower_bound": ours.linear_gate_lower_bound,
+      "pad_token_id": ours.pad_token_id,
+      "eos_token_id": list(ours.eos_token_id) if isinstance(eos, list) else (ours.eos_token_id or (None,))[0],
+    }
     assert got == hf, case["config"]
 
 
 def test_form_fixtures_are_in_their_forms():
   """The checkpoints' config.json files really are in the forms the parity tests load."""
-  text = {n: json.loads((FIXTURES / n / "config.json").read_text())["text_config"] for n in ("flat-kda", "lac-only", "both")}
+  text = {
+    n: json.loads((FIXTURES / n / "config.json").read_text())["text_config"] for n in ("flat-kda", "lac-only", "both")
+  }
   assert text["flat-kda"].get("linear_attn_config") is None and text["flat-kda"]["index_topk_pattern"] == "FFSF"
   assert "linear_num_heads" not in text["lac-only"] and text["lac-only"]["linear_attn_config"]["safe_gate"] is False
   assert "full_attention" in text["lac-only"]["layer_types"] and "num_local_experts" in text["lac-only"]

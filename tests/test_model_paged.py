@@ -28,8 +28,15 @@ def model():
 
 @functools.lru_cache(maxsize=None)
 def setup(layout, kv_dtype="float32", idx_dtype="float32", block_size=512, num_spec=0):
-  _, plan = tiny_plan(layout=layout, kv_cache_dtype=kv_dtype, indexer_cache_dtype=idx_dtype, block_size=block_size,
-                      num_spec=num_spec, memory_bytes=64 << 20, max_model_len=1024)
+  _, plan = tiny_plan(
+    layout=layout,
+    kv_cache_dtype=kv_dtype,
+    indexer_cache_dtype=idx_dtype,
+    block_size=block_size,
+    num_spec=num_spec,
+    memory_bytes=64 << 20,
+    max_model_len=1024,
+  )
   return plan, PagedLayout.from_plan(plan)
 
 
@@ -37,8 +44,9 @@ def step_inputs(plan, tables, tok, pos, req, state_slots):
   bt = tuple(jnp.asarray(t.block_table) for t in tables.block_tables)
   nb = tuple(jnp.asarray(t.num_blocks_per_row) for t in tables.block_tables)
   pos, req = jnp.asarray(pos, jnp.int32), jnp.asarray(req, jnp.int32)
-  meta = compute_step_metadata(bt, nb, req, pos, plan.init_kernel_block_tables(bt[0].shape[0]),
-                               spec=StepMetadataSpec.from_plan(plan))
+  meta = compute_step_metadata(
+    bt, nb, req, pos, plan.init_kernel_block_tables(bt[0].shape[0]), spec=StepMetadataSpec.from_plan(plan)
+  )
   return StepInputs(jnp.asarray(tok, jnp.int32), pos, req, bt, nb, meta, state_slots)
 
 
@@ -56,8 +64,9 @@ class Runner:
     rng = np.random.default_rng(seed)
     self.tables = random_tables(self.plan, len(lengths), lengths, rng)
     # Poisoned caches: nothing may read bytes the step did not write.
-    self.caches = {t.name: jnp.asarray(rng.integers(0, 256, (t.num_rows, t.row_bytes), dtype=np.uint8))
-                   for t in self.plan.tensors}
+    self.caches = {
+      t.name: jnp.asarray(rng.integers(0, 256, (t.num_rows, t.row_bytes), dtype=np.uint8)) for t in self.plan.tensors
+    }
     self.step_fn = step_function(model, self.layout, implementation)
 
   def run(self, ids, steps):
@@ -65,12 +74,13 @@ class Runner:
     for chunks in steps:
       tok, pos, req = [], [], []
       for r, start, n in chunks:
-        tok += list(ids[r][start:start + n])
+        tok += list(ids[r][start : start + n])
         pos += list(range(start, start + n))
         req += [r] * n
       pad = NUM_TOKENS - len(tok)
-      inp = step_inputs(self.plan, self.tables, tok + [0] * pad, pos + [0] * pad, req + [-1] * pad,
-                        jnp.zeros(len(ids), jnp.int32))
+      inp = step_inputs(
+        self.plan, self.tables, tok + [0] * pad, pos + [0] * pad, req + [-1] * pad, jnp.zeros(len(ids), jnp.int32)
+      )
       logits, self.caches = self.step_fn(self.caches, inp)
       logits = np.asarray(logits)
       for i, (r, p) in enumerate(zip(req, pos)):
@@ -108,9 +118,9 @@ def test_requests_of_different_lengths_share_steps(model):
   ids = [list(rng.integers(1, 256, n)) for n in lengths]
   runner = Runner(model, "packed", lengths, seed=3)
   steps = [
-      [(0, 0, 14), (1, 0, 5), (2, 0, 11)],  # three prefill chunks
-      [(0, 14, 13), (1, 5, 4), (2, 11, 1)],  # prefill continues, request 2 decodes
-      [(2, 12, 7)],  # request 2 finishes; requests 0 and 1 are done
+    [(0, 0, 14), (1, 0, 5), (2, 0, 11)],  # three prefill chunks
+    [(0, 14, 13), (1, 5, 4), (2, 11, 1)],  # prefill continues, request 2 decodes
+    [(2, 12, 7)],  # request 2 finishes; requests 0 and 1 are done
   ]
   got = runner.run(ids, steps)
   for r, n in enumerate(lengths):
@@ -155,9 +165,15 @@ def test_mtp_layer_paged_equals_reference(model):
   got = []
   for start, n in ((0, 10), (10, 12)):  # 10: mid-pool; the MTP needs the token after each
     pad = NUM_TOKENS - n
-    inp = step_inputs(plan, tables, ids[start:start + n] + [0] * pad, list(range(start, start + n)) + [0] * pad,
-                      [0] * n + [-1] * pad, slots)
-    h, caches, _ = step(caches, inp, jnp.asarray(ids[start + 1:start + n + 1] + [0] * pad, jnp.int32))
+    inp = step_inputs(
+      plan,
+      tables,
+      ids[start : start + n] + [0] * pad,
+      list(range(start, start + n)) + [0] * pad,
+      [0] * n + [-1] * pad,
+      slots,
+    )
+    h, caches, _ = step(caches, inp, jnp.asarray(ids[start + 1 : start + n + 1] + [0] * pad, jnp.int32))
     got.append(np.asarray(h[:n]))
   hidden = model.hidden_states(jnp.asarray([ids]))[:, :22]
   want = model.mtp(hidden, model.embed_tokens[...][jnp.asarray([ids[1:]])], jnp.arange(22)[None])[0][0]

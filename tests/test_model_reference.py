@@ -55,7 +55,7 @@ def brute_force_indices(scores, t_len, kpool, topk):
     toks = [p * kpool + i for p in pools for i in range(kpool)]
     out[t, : len(toks)] = toks
     tail = list(range(n_vis * kpool, t + 1))
-    out[t, topk: topk + len(tail)] = tail
+    out[t, topk : topk + len(tail)] = tail
   return out
 
 

@@ -14,11 +14,17 @@ def test_steady_state_does_not_recompile():
   rng = np.random.default_rng(0)
   tables = MultiGroupBlockTable([BS, 4], MAX_REQS, [WIDTH, 1])
   kernel_table = jnp.zeros((MAX_REQS, WIDTH * BPK), jnp.int32)
-  for f in (compute_slot_mapping, map_to_kernel_blocks, compute_circular_slot_mapping, req_indices_from_query_start_loc):
+  for f in (
+    compute_slot_mapping,
+    map_to_kernel_blocks,
+    compute_circular_slot_mapping,
+    req_indices_from_query_start_loc,
+  ):
     f.clear_cache()
   compiles = []
   jax.monitoring.register_event_duration_secs_listener(
-      lambda name, *a, **k: compiles.append(name) if "backend_compile" in name else None)
+    lambda name, *a, **k: compiles.append(name) if "backend_compile" in name else None
+  )
   for step in range(200):
     num_reqs = int(rng.integers(1, MAX_REQS + 1))
     tables.clear()
@@ -37,7 +43,12 @@ def test_steady_state_does_not_recompile():
     kernel_table = map_to_kernel_blocks(table, BPK, BPK, kernel_table)
     assert old.is_deleted()  # the persistent buffer was donated and reused
     assert slots.shape == ring.shape == (NUM_TOKENS,)
-  for f in (compute_slot_mapping, map_to_kernel_blocks, compute_circular_slot_mapping, req_indices_from_query_start_loc):
+  for f in (
+    compute_slot_mapping,
+    map_to_kernel_blocks,
+    compute_circular_slot_mapping,
+    req_indices_from_query_start_loc,
+  ):
     assert f._cache_size() == 1, f
   steady = len(compiles)
   # One more step after warm-up: nothing compiles at all.

@@ -6,12 +6,12 @@ import jax.numpy as jnp
 import pytest
 
 from jaxkv import (
-    AttentionBackend,
-    CacheConfig,
-    CircularBufferSpec,
-    FullAttentionSpec,
-    KVCacheLayer,
-    plan_kv_cache,
+  AttentionBackend,
+  CacheConfig,
+  CircularBufferSpec,
+  FullAttentionSpec,
+  KVCacheLayer,
+  plan_kv_cache,
 )
 from models.glm5_next import get_config, get_kv_cache_layers, load_config, tail_ring_size
 from models.glm5_next.config import BUILTIN_CONFIGS
@@ -21,8 +21,16 @@ GIB = 2**30
 
 def glm_plan(block_size=1024, layout="packed", memory=80 * GIB, max_len=1 << 20, **kw):
   cfg = get_config("glm-5.3-flash")
-  cache = CacheConfig(block_size=block_size, layout=layout, memory_bytes=memory, max_model_len=max_len,
-                      kv_cache_dtype="bfloat16", indexer_cache_dtype="fp8", state_dtype="bfloat16", **kw)
+  cache = CacheConfig(
+    block_size=block_size,
+    layout=layout,
+    memory_bytes=memory,
+    max_model_len=max_len,
+    kv_cache_dtype="bfloat16",
+    indexer_cache_dtype="fp8",
+    state_dtype="bfloat16",
+    **kw,
+  )
   return plan_kv_cache(get_kv_cache_layers(cfg, cache), cache)
 
 
@@ -98,10 +106,15 @@ def test_errors_name_the_values():
     glm_plan(block_size=64, layout="dense", memory=1000 * GIB, max_len=4096)
   with pytest.raises(ValueError, match="Kernel block size 96 does not divide the KV cache block size 1024"):
     glm_plan(kernel_block_size=96)
-  with pytest.raises(ValueError, match="glm5_sparse_mla needs 256-token kernel blocks, which packed 1024-token .* cannot be split into"):
+  with pytest.raises(
+    ValueError, match="glm5_sparse_mla needs 256-token kernel blocks, which packed 1024-token .* cannot be split into"
+  ):
     glm_plan(kernel_block_size=256)
-  with pytest.raises(ValueError, match=r"memory_bytes 1,073,741,824 \(1.00 GiB\) holds 90 blocks .* Raise memory_bytes "
-                                       r"to at least 12,423,882,240 \(11.57 GiB\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"memory_bytes 1,073,741,824 \(1.00 GiB\) holds 90 blocks .* Raise memory_bytes "
+    r"to at least 12,423,882,240 \(11.57 GiB\)",
+  ):
     glm_plan(memory=1 * GIB)
   with pytest.raises(ValueError, match=r"Raise memory_bytes to at least 238,233,600 \(227.20 MiB\)"):
     glm_plan(memory=1 << 20, max_len=1024)  # small sizes are not rounded to "0.000 GiB"
@@ -121,8 +134,9 @@ def test_padded_pages_cannot_be_split():
   spec = FullAttentionSpec(block_size=64, num_kv_heads=1, head_size=16, dtype="bfloat16", page_size_padded=8192)
   layers = [KVCacheLayer("a", spec, AttentionBackend("k", (16,)))]
   with pytest.raises(ValueError, match="Padded KV pages do not support kernel block splitting"):
-    plan_kv_cache(layers, CacheConfig(block_size=64, memory_bytes=GIB, max_model_len=1024, layout="dense",
-                                      kernel_block_size=16))
+    plan_kv_cache(
+      layers, CacheConfig(block_size=64, memory_bytes=GIB, max_model_len=1024, layout="dense", kernel_block_size=16)
+    )
 
 
 def test_tail_ring_size():
@@ -143,8 +157,9 @@ def test_glm_plans_with_five_to_seven_drafts(block_size, num_spec):
 def test_tiny_plan_allocates_and_binds_real_arrays():
   cfg = get_config("glm-5.3-flash-tiny")
   for layout in ("dense", "packed"):
-    cache = CacheConfig(block_size=256, memory_bytes=64 << 20, max_model_len=256, layout=layout,
-                        num_speculative_tokens=3)
+    cache = CacheConfig(
+      block_size=256, memory_bytes=64 << 20, max_model_len=256, layout=layout, num_speculative_tokens=3
+    )
     plan = plan_kv_cache(get_kv_cache_layers(cfg, cache), cache)
     assert plan.max_model_len == 259  # drafts write up to k positions past a request's end
     arrays = plan.allocate()
@@ -153,9 +168,17 @@ def test_tiny_plan_allocates_and_binds_real_arrays():
       ag = plan.attention_groups[v.attention_group_id]
       arr = arrays[v.tensor]
       # Binding the real array gives the planned view, and the group's stride is the view's.
-      assert ag.map_kv_cache_to_kernel_blocks(v.layer_name, v.tensor, arr.shape, page_offset_bytes=v.tensor_offset_bytes,
-                                              block_stride_bytes=v.block_stride_bytes,
-                                              attention_group_id=v.attention_group_id) == v
+      assert (
+        ag.map_kv_cache_to_kernel_blocks(
+          v.layer_name,
+          v.tensor,
+          arr.shape,
+          page_offset_bytes=v.tensor_offset_bytes,
+          block_stride_bytes=v.block_stride_bytes,
+          attention_group_id=v.attention_group_id,
+        )
+        == v
+      )
       assert ag.stride == v.stride and arr.size % v.row_bytes == 0 and arr.dtype == jnp.uint8
 
 
@@ -164,8 +187,9 @@ def test_hf_config_json_flat_and_nested(tmp_path):
   (tmp_path / "flat").mkdir()
   (tmp_path / "flat" / "config.json").write_text(json.dumps(text))
   (tmp_path / "nested").mkdir()
-  (tmp_path / "nested" / "config.json").write_text(json.dumps({"model_type": "glm5_next", "text_config": text,
-                                                               "vision_config": {"depth": 1}}))
+  (tmp_path / "nested" / "config.json").write_text(
+    json.dumps({"model_type": "glm5_next", "text_config": text, "vision_config": {"depth": 1}})
+  )
   assert load_config(tmp_path / "flat") == load_config(tmp_path / "nested") == get_config("glm-5.3-flash-tiny")
   (tmp_path / "bad").mkdir()
   (tmp_path / "bad" / "config.json").write_text(json.dumps({"model_type": "llama"}))

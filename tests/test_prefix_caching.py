@@ -14,8 +14,14 @@ import numpy as np
 import pytest
 
 from jaxkv import CacheConfig, KVCacheManager, plan_kv_cache
-from jaxkv.block_copy import (BlockRegions, copy_blocks, copy_blocks_reference, gather_blocks, pad_block_ids,
-                              scatter_blocks)
+from jaxkv.block_copy import (
+  BlockRegions,
+  copy_blocks,
+  copy_blocks_reference,
+  gather_blocks,
+  pad_block_ids,
+  scatter_blocks,
+)
 from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
 from jaxkv.kv_cache_spec import CircularBufferSpec, LinearAttentionStateSpec, MLAAttentionSpec
 from models.glm5_next import get_kv_cache_layers
@@ -31,15 +37,24 @@ def prompts():
   rng = np.random.default_rng(3)
   shared = [int(t) for t in rng.integers(1, 256, 2 * BS + 20)]
   other = [int(t) for t in rng.integers(1, 256, 150)]
-  return shared, shared, shared[:2 * BS] + [int(t) for t in rng.integers(1, 256, 9)], other
+  return shared, shared, shared[: 2 * BS] + [int(t) for t in rng.integers(1, 256, 9)], other
 
 
 def run(caching: bool, **kw):
   """The prompts one after another on one engine (so later ones can hit earlier ones' blocks)."""
-  cache = CacheConfig(block_size=BS, max_model_len=512, layout=kw.pop("layout", "packed"),
-                      num_speculative_tokens=kw.pop("k", 0), memory_bytes=kw.pop("memory_bytes", 64 << 20))
-  engine = LLMEngine(runner(), EngineConfig(cache=cache, buckets=(136,), max_num_batched_tokens=kw.pop("budget", 128),
-                                            enable_prefix_caching=caching, **kw))
+  cache = CacheConfig(
+    block_size=BS,
+    max_model_len=512,
+    layout=kw.pop("layout", "packed"),
+    num_speculative_tokens=kw.pop("k", 0),
+    memory_bytes=kw.pop("memory_bytes", 64 << 20),
+  )
+  engine = LLMEngine(
+    runner(),
+    EngineConfig(
+      cache=cache, buckets=(136,), max_num_batched_tokens=kw.pop("budget", 128), enable_prefix_caching=caching, **kw
+    ),
+  )
   out = []
   for p in prompts():
     (r,) = engine.generate([p], SAMPLING)
@@ -82,9 +97,16 @@ def test_with_mtp_drafts_the_last_block_of_a_hit_is_recomputed():
 
 
 def test_outputs_report_cached_tokens():
-  engine = LLMEngine(runner(), EngineConfig(cache=CacheConfig(block_size=BS, max_model_len=512), buckets=(128,),
-                                            max_num_batched_tokens=128, enable_prefix_caching=True,
-                                            async_scheduling=False))
+  engine = LLMEngine(
+    runner(),
+    EngineConfig(
+      cache=CacheConfig(block_size=BS, max_model_len=512),
+      buckets=(128,),
+      max_num_batched_tokens=128,
+      enable_prefix_caching=True,
+      async_scheduling=False,
+    ),
+  )
   engine.generate([prompts()[0]], SAMPLING)
   engine.add_request("again", prompts()[0], SAMPLING)
   outs = []
@@ -104,8 +126,9 @@ def test_preemption_with_prefix_caching_changes_nothing():
 
   def generate(caching, memory):
     cache = CacheConfig(block_size=BS, max_model_len=512, memory_bytes=memory)
-    engine = LLMEngine(runner(), EngineConfig(cache=cache, buckets=(128,), max_num_batched_tokens=128,
-                                              enable_prefix_caching=caching))
+    engine = LLMEngine(
+      runner(), EngineConfig(cache=cache, buckets=(128,), max_num_batched_tokens=128, enable_prefix_caching=caching)
+    )
     return [(r.output_token_ids, r.output_logprobs) for r in engine.generate(ps, sampling)], engine
 
   roomy, _ = generate(False, 64 << 20)
@@ -116,8 +139,15 @@ def test_preemption_with_prefix_caching_changes_nothing():
 
 
 def test_nothing_compiles_after_warmup_with_prefix_caching():
-  engine = LLMEngine(runner(), EngineConfig(cache=CacheConfig(block_size=BS, max_model_len=512), buckets=(128,),
-                                            max_num_batched_tokens=128, enable_prefix_caching=True))
+  engine = LLMEngine(
+    runner(),
+    EngineConfig(
+      cache=CacheConfig(block_size=BS, max_model_len=512),
+      buckets=(128,),
+      max_num_batched_tokens=128,
+      enable_prefix_caching=True,
+    ),
+  )
   engine.warmup()
   compiled = (engine.num_compilations, copy_blocks._cache_size())
   for p in prompts()[:3]:
@@ -141,7 +171,7 @@ def test_state_checkpoint_is_found_restored_and_evicted_like_a_cached_block():
   m.cache_blocks("a", prompt, 40)
   assert m.get_computed_blocks("probe", prompt) == (([], [], []), 0)  # token blocks, but no state checkpoint
   assert m.checkpoint_states("a", prompt, 20) == []  # not a boundary
-  (src, ckpt), = m.checkpoint_states("a", prompt, 32)
+  ((src, ckpt),) = m.checkpoint_states("a", prompt, 32)
   assert src == kda_a and ckpt not in sum(m.block_ids("a"), [])
   assert m.checkpoint_states("a", prompt, 32) == []  # once per boundary
   m.free("a")
@@ -169,8 +199,10 @@ def test_eagle_drops_the_last_block_and_a_ring_must_divide_the_block():
     assert all(m.checkpoint_states("a", prompt, end) for end in (16, 32, 48))
     assert m.get_computed_blocks("b", prompt)[1] == want
   with pytest.raises(ValueError, match="multiple of the tail ring's 12 slots"):
-    KVCacheManager([MLA, CircularBufferSpec(block_size=12, num_kv_heads=1, head_size=8, head_size_v=0,
-                                            dtype="float32")], num_blocks=8)
+    KVCacheManager(
+      [MLA, CircularBufferSpec(block_size=12, num_kv_heads=1, head_size=8, head_size_v=0, dtype="float32")],
+      num_blocks=8,
+    )
 
 
 def test_abort_with_a_restore_pending_leaks_nothing():
@@ -220,6 +252,7 @@ def test_checkpoint_fuzz_keeps_refcounts_consistent():
 
 # -- block copies on the device -----------------------------------------------------------------
 
+
 @functools.lru_cache(maxsize=None)
 def plan(layout):
   cache = CacheConfig(block_size=BS, layout=layout, memory_bytes=8 << 20, max_model_len=512)
@@ -235,7 +268,9 @@ def random_caches(p, seed):
 def test_copy_blocks_matches_reference_on_random_caches(layout):
   p = plan(layout)
   rng = np.random.default_rng(4)
-  state_groups = [g for g, grp in enumerate(p.kv_cache_groups) if isinstance(grp.kv_cache_spec, LinearAttentionStateSpec)]
+  state_groups = [
+    g for g, grp in enumerate(p.kv_cache_groups) if isinstance(grp.kv_cache_spec, LinearAttentionStateSpec)
+  ]
   for groups in (state_groups, None):
     regions = BlockRegions.from_plan(p, groups)
     caches = random_caches(p, int(rng.integers(1 << 30)))
@@ -269,8 +304,9 @@ def test_gather_scatter_round_trip_is_bit_exact_and_leaves_the_source(layout):
   # Blocks not written keep their bytes.
   untouched = [b for b in range(p.num_blocks) if b not in (5, 2, 9)]
   rest = gather_blocks(out, np.array(untouched, np.int32), regions=regions)
-  before = gather_blocks({k: jax.numpy.asarray(v) for k, v in dst_caches.items()}, np.array(untouched, np.int32),
-                         regions=regions)
+  before = gather_blocks(
+    {k: jax.numpy.asarray(v) for k, v in dst_caches.items()}, np.array(untouched, np.int32), regions=regions
+  )
   np.testing.assert_array_equal(np.asarray(rest), np.asarray(before))
 
 
@@ -296,8 +332,9 @@ def test_hit_on_another_requests_blocks_is_bitwise_cold():
 
   def engine():
     cache = CacheConfig(block_size=BS, max_model_len=512)
-    return LLMEngine(runner(), EngineConfig(cache=cache, max_num_reqs=1, max_num_batched_tokens=64,
-                                            enable_prefix_caching=True))
+    return LLMEngine(
+      runner(), EngineConfig(cache=cache, max_num_reqs=1, max_num_batched_tokens=64, enable_prefix_caching=True)
+    )
 
   (alone,) = engine().generate([q], SAMPLING)
   _, warm = engine().generate([p, q], SAMPLING)

@@ -9,9 +9,11 @@ from jaxkv.profiling import summarize_trace
 
 
 def _write(tmp_path, kernels):
-  events = [{"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
-            {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
-            {"ph": "X", "pid": 1, "tid": 1, "name": "host work", "ts": 0.0, "dur": 500.0}]
+  events = [
+    {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
+    {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+    {"ph": "X", "pid": 1, "tid": 1, "name": "host work", "ts": 0.0, "dur": 500.0},
+  ]
   events += [{"ph": "X", "pid": 7, "tid": 2, "name": n, "ts": ts, "dur": dur} for n, ts, dur in kernels]
   path = tmp_path / "run" / "host.trace.json.gz"
   path.parent.mkdir()

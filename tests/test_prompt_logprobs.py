@@ -17,7 +17,7 @@ def _check_against_sampling(engine, prompt, entries):
   (a one-token request of that prefix) and the prompt token's place in it."""
   assert [e.token_id for e in entries] == list(prompt[1:])
   for p in sorted({*range(0, len(prompt) - 1, 5), len(prompt) - 2}):
-    want = engine.generate([prompt[:p + 1]], SamplingParams(max_tokens=1, logprobs=K))[0].output_logprobs[0]
+    want = engine.generate([prompt[: p + 1]], SamplingParams(max_tokens=1, logprobs=K))[0].output_logprobs[0]
     got = entries[p]
     assert [t for t, _ in got.top] == [t for t, _ in want], p
     np.testing.assert_allclose([v for _, v in got.top], [v for _, v in want], rtol=0, atol=2e-6)
@@ -50,7 +50,9 @@ def test_chunked_prompt_beside_other_requests(async_scheduling):
   one_step = LLMEngine(runner(), cfg()).generate([ps[1]], sampling[1])[0].prompt_logprobs
   engine = LLMEngine(runner(), cfg(max_num_batched_tokens=16, async_scheduling=async_scheduling))
   got = engine.generate(ps, sampling)
-  alone = LLMEngine(runner(), cfg(max_num_batched_tokens=16)).generate(ps, [SamplingParams(max_tokens=4, logprobs=K)] * 4)
+  alone = LLMEngine(runner(), cfg(max_num_batched_tokens=16)).generate(
+    ps, [SamplingParams(max_tokens=4, logprobs=K)] * 4
+  )
   assert len(got[1].prompt_logprobs) == len(ps[1]) - 1
   for a, b in zip(got[1].prompt_logprobs, one_step):
     assert (a.token_id, a.rank, [t for t, _ in a.top]) == (b.token_id, b.rank, [t for t, _ in b.top])
@@ -62,9 +64,16 @@ def test_chunked_prompt_beside_other_requests(async_scheduling):
 
 def test_no_prefix_cache_hit_for_a_request_that_wants_them():
   # test_prefix_caching's settings: the same compiled step where pytest's worker ran those tests.
-  engine = LLMEngine(runner(), EngineConfig(cache=CacheConfig(block_size=128, max_model_len=512), buckets=(128,),
-                                            max_num_batched_tokens=128, enable_prefix_caching=True,
-                                            async_scheduling=False))
+  engine = LLMEngine(
+    runner(),
+    EngineConfig(
+      cache=CacheConfig(block_size=128, max_model_len=512),
+      buckets=(128,),
+      max_num_batched_tokens=128,
+      enable_prefix_caching=True,
+      async_scheduling=False,
+    ),
+  )
   prompt = [int(t) for t in np.random.default_rng(3).integers(1, 256, 276)]
   engine.generate([prompt], SamplingParams(max_tokens=2))
   hit = engine.generate([prompt], SamplingParams(max_tokens=2))[0]
@@ -84,8 +93,9 @@ def test_warmup_compiles_the_prompt_logprob_steps():
 def test_llm_returns_vllm_shaped_prompt_logprobs():
   # The tiny model's tokenizer over the engine the other tests use (its compiled steps too).
   llm = LLM.from_engine(LLMEngine(runner(), cfg()), tokenizer=Tokenizer(builtin_tokenizer_dir("glm-5.3-flash-tiny")))
-  out = llm.generate("hello world, hello", SamplingParams(max_tokens=2, prompt_logprobs=3, n=2, seed=1,
-                                                          temperature=1.0))[0]
+  out = llm.generate(
+    "hello world, hello", SamplingParams(max_tokens=2, prompt_logprobs=3, n=2, seed=1, temperature=1.0)
+  )[0]
   ids = out.prompt_token_ids
   assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
   for t, entry in zip(ids[1:], out.prompt_logprobs[1:]):
@@ -108,7 +118,7 @@ def test_sampled_tokens_carry_their_own_logprob_in_or_out_of_the_top_k():
   for (lp, rank), top, t in zip(own, r.output_logprobs, r.output_token_ids):
     assert (rank == 1) == (top[0][0] == t) and (rank > 1 or lp == top[0][1])
   again = engine.generate([prompt + r.output_token_ids], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
-  entries = again.prompt_logprobs[len(prompt) - 1:]
+  entries = again.prompt_logprobs[len(prompt) - 1 :]
   assert [e.token_id for e in entries] == r.output_token_ids
   assert [e.rank for e in entries] == [rank for _, rank in own]
   np.testing.assert_allclose([e.logprob for e in entries], [lp for lp, _ in own], atol=2e-6)

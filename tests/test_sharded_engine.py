@@ -21,8 +21,12 @@ ROOT = WORKER.parent.parent
 
 
 def _env(devices: int) -> dict:
-  return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
-          "PYTHONPATH": str(ROOT)}
+  return {
+    **os.environ,
+    "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+    "JAX_PLATFORMS": "cpu",
+    "PYTHONPATH": str(ROOT),
+  }
 
 
 def _check_against(run: dict, base: dict, atol: float = 1e-5) -> None:
@@ -34,8 +38,9 @@ def _check_against(run: dict, base: dict, atol: float = 1e-5) -> None:
 
 
 def _run_worker(configs: str) -> dict:
-  out = subprocess.run([sys.executable, str(WORKER), "--configs", configs], env=_env(8), capture_output=True,
-                       text=True, timeout=600)
+  out = subprocess.run(
+    [sys.executable, str(WORKER), "--configs", configs], env=_env(8), capture_output=True, text=True, timeout=600
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   result = json.loads(out.stdout)
   assert result["device_count"] == 8
@@ -99,8 +104,12 @@ def test_two_processes_under_jax_distributed_match_hf():
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
   cmd = [sys.executable, str(WORKER), "--configs", "1x2", "--coordinator", f"localhost:{port}", "--num-processes", "2"]
-  procs = [subprocess.Popen(cmd + ["--process-id", str(i)], env=_env(1), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True) for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      cmd + ["--process-id", str(i)], env=_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    for i in range(2)
+  ]
   outs = [p.communicate(timeout=600) for p in procs]
   for p, (_, err) in zip(procs, outs):
     assert p.returncode == 0, err[-3000:]

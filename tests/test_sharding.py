@@ -20,8 +20,14 @@ from models.glm5_next.runner import FAMILY
 from models.glm5_next.sharding import DATA, TENSOR, partition_spec, per_device_weight_bytes
 
 CFG = get_config("glm-5.3-flash")
-CACHE = CacheConfig(block_size=1024, kv_cache_dtype="bfloat16", indexer_cache_dtype="fp8", state_dtype="bfloat16",
-                    memory_bytes=40 << 30, max_model_len=131072)
+CACHE = CacheConfig(
+  block_size=1024,
+  kv_cache_dtype="bfloat16",
+  indexer_cache_dtype="fp8",
+  state_dtype="bfloat16",
+  memory_bytes=40 << 30,
+  max_model_len=131072,
+)
 
 
 def test_rules_split_heads_vocab_and_experts():
@@ -31,8 +37,9 @@ def test_rules_split_heads_vocab_and_experts():
   assert partition_spec("layers.0.self_attn.k_conv1d", (8192, 1, 4)) == P(TENSOR, None, None)
   assert partition_spec("lm_head", (154880, 4096)) == P(TENSOR, None)
   assert partition_spec("layers.1.mlp.experts_down", (288, 2048, 4096)) == P(None, TENSOR, None)
-  assert partition_spec("layers.1.mlp.experts_down", (288, 2048, 4096), expert_parallel=True) == P((DATA, TENSOR),
-                                                                                                  None, None)
+  assert partition_spec("layers.1.mlp.experts_down", (288, 2048, 4096), expert_parallel=True) == P(
+    (DATA, TENSOR), None, None
+  )
   assert partition_spec("layers.1.mlp.gate_weight", (288, 4096)) == P(None, None)  # the router: replicated
 
 
@@ -51,9 +58,11 @@ def test_one_device_of_the_released_model():
   assert dp_ep["weight_bytes_bf16"] - tp8["weight_bytes_bf16"] < rest_one / 4 - rest_one / 8 + 1
   # fp8: about half, plus one float32 scale per 128 x 128 block.
   assert 0.48 < tp8["weight_bytes_fp8"] / tp8["weight_bytes_bf16"] < 0.53
+
   # Packed: one arena row holds every group's pages, so every cache is one copy per device.
   def pages(plan, kind):
     return {g.kv_cache_spec.page_size_bytes for g in plan.kv_cache_groups if type(g.kv_cache_spec).__name__ == kind}
+
   for kind in ("LinearAttentionStateSpec", "MLAAttentionSpec"):
     assert pages(tp8["plan"], kind) == pages(one["plan"], kind)
   assert {t.shards for t in tp8["plan"].tensors} == {1}
@@ -70,8 +79,9 @@ def test_one_device_of_the_released_model():
   assert all(t.row_bytes == kda_tp8 and t.shape_dtype().shape[1] == kda_one for t in split.values())
   assert tp8_d.num_blocks > one_d.num_blocks  # the same per-device budget holds more blocks
   with pytest.raises(ValueError, match="needs the dense layout"):
-    plan_kv_cache([dataclasses.replace(l, shards=8) if l.spec.is_state else l
-                   for l in get_kv_cache_layers(CFG, CACHE)], CACHE)
+    plan_kv_cache(
+      [dataclasses.replace(l, shards=8) if l.spec.is_state else l for l in get_kv_cache_layers(CFG, CACHE)], CACHE
+    )
 
 
 def test_sizes_that_do_not_divide_are_refused_with_the_sizes():
@@ -84,8 +94,16 @@ def test_sizes_that_do_not_divide_are_refused_with_the_sizes():
 
 
 def test_inspect_prints_one_device(capsys):
-  args = ["inspect", "--memory-gib", "40", "--max-model-len", "131072", "--tensor-parallel-size", "8",
-          "--enable-expert-parallel"]
+  args = [
+    "inspect",
+    "--memory-gib",
+    "40",
+    "--max-model-len",
+    "131072",
+    "--tensor-parallel-size",
+    "8",
+    "--enable-expert-parallel",
+  ]
   assert main(args + ["--json"]) == 0
   d = json.loads(capsys.readouterr().out)["per_device"]
   assert d["devices"] == 8 and d["weight_bytes_fp8"] < d["weight_bytes_bf16"] < 100 << 30
@@ -130,8 +148,14 @@ def test_specs_shard_the_tiny_model_on_an_eight_device_cpu_mesh():
       print("ok", len(jax.devices()))
   """)
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  out = subprocess.run(
+    [sys.executable, "-c", code],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=600,
+    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   assert out.stdout.split() == ["ok", "8"]
 
@@ -165,7 +189,13 @@ def test_paged_mqa_logits_split_by_rows_is_bitwise_the_whole_call():
       print("ok")
   """)
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  out = subprocess.run(
+    [sys.executable, "-c", code],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=600,
+    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   assert out.stdout.split() == ["ok"]

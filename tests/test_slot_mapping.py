@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from jaxkv import (
-    PAD_SLOT_ID,
-    compute_circular_slot_mapping,
-    compute_compressed_slot_mapping,
-    compute_slot_mapping,
-    map_to_kernel_blocks,
-    req_indices_from_query_start_loc,
+  PAD_SLOT_ID,
+  compute_circular_slot_mapping,
+  compute_compressed_slot_mapping,
+  compute_slot_mapping,
+  map_to_kernel_blocks,
+  req_indices_from_query_start_loc,
 )
 from jaxkv.slot_mapping import circular_slots, compressed_slots, split_block_lookup, token_slots
 
@@ -52,8 +52,8 @@ def test_dcp_shards_only_sharded_groups(rank):
   reqs = np.zeros(1024)
   sharded = slots([[5, 9]], [2], reqs, pos, block_size=128, dcp_size=4, dcp_rank=rank, dcp_interleave=128)
   expected = np.full(1024, -1)
-  expected[128 * rank: 128 * rank + 128] = np.arange(640, 768)
-  expected[512 + 128 * rank: 512 + 128 * rank + 128] = np.arange(1152, 1280)
+  expected[128 * rank : 128 * rank + 128] = np.arange(640, 768)
+  expected[512 + 128 * rank : 512 + 128 * rank + 128] = np.arange(1152, 1280)
   np.testing.assert_array_equal(sharded, expected)
   replicated = slots([list(range(10, 18))], [8], reqs, pos, block_size=128)
   np.testing.assert_array_equal(replicated, pos + 1280)
@@ -104,8 +104,9 @@ def test_compressed_slot_mapping():
   # kpool 4, 64 entries per page, kernel table of one request mapped with stride 5.
   kt = i32([[0, 1, 2, 3, 10, 11, 12, 13]])
   pos = np.arange(0, 2048)
-  got = np.asarray(compute_compressed_slot_mapping(kt, i32([8]), i32(np.zeros(2048)), i32(pos),
-                                                   states_per_page=64, compress_ratio=4))
+  got = np.asarray(
+    compute_compressed_slot_mapping(kt, i32([8]), i32(np.zeros(2048)), i32(pos), states_per_page=64, compress_ratio=4)
+  )
   done = (pos + 1) % 4 == 0
   assert (got[~done] == -1).all()
   e = pos[done] // 4
@@ -155,12 +156,20 @@ class SlotFormulasTest(chex.TestCase):
   @chex.variants(with_jit=True, without_jit=True)
   def test_compressed_slots_from_the_manager_table_equal_those_from_the_kernel_table(self):
     bpk, stride = 2, 5
+
     def from_manager(table, counts, req, pos):
-      return compressed_slots(split_block_lookup(table, counts, blocks_per_kernel_block=bpk, stride=stride), req, pos,
-                              states_per_page=2, compress_ratio=2)
+      return compressed_slots(
+        split_block_lookup(table, counts, blocks_per_kernel_block=bpk, stride=stride),
+        req,
+        pos,
+        states_per_page=2,
+        compress_ratio=2,
+      )
+
     got = self.variant(from_manager)(i32(self.table), i32(self.counts), i32(self.req), i32(self.pos))
     kt = map_to_kernel_blocks(i32(self.table), bpk, stride)
-    want = compute_compressed_slot_mapping(kt, i32(self.counts * bpk), i32(self.req), i32(self.pos),
-                                           states_per_page=2, compress_ratio=2)
+    want = compute_compressed_slot_mapping(
+      kt, i32(self.counts * bpk), i32(self.req), i32(self.pos), states_per_page=2, compress_ratio=2
+    )
     chex.assert_trees_all_equal(got, want)
     assert (np.asarray(want) >= 0).any()

@@ -44,7 +44,7 @@ class ForcedDraftEngine(LLMEngine):
 
   def _next_drafts(self, request, drafts):
     done = len(request.output_token_ids)
-    want = self.truth[tuple(request.prompt_token_ids)][done:done + len(drafts)]
+    want = self.truth[tuple(request.prompt_token_ids)][done : done + len(drafts)]
     return [(t + 1) % CFG.vocab_size if self.corrupt(self.num_steps, i) else t for i, t in enumerate(want)]
 
 
@@ -92,9 +92,11 @@ def test_rollback_of_rejected_drafts(pattern):
 
 def test_speculation_is_bitwise_identical_across_layouts_and_schedules():
   want, _ = forced_run(3, lambda step, i: (step + i) % 3 == 2)
-  for variant in (cfg(num_speculative_tokens=3, block_size=384),
-                  cfg(num_speculative_tokens=3, layout="dense", kernel_block_size=64),
-                  cfg(num_speculative_tokens=3, max_num_batched_tokens=7)):
+  for variant in (
+    cfg(num_speculative_tokens=3, block_size=384),
+    cfg(num_speculative_tokens=3, layout="dense", kernel_block_size=64),
+    cfg(num_speculative_tokens=3, max_num_batched_tokens=7),
+  ):
     got, _ = forced_run(3, lambda step, i: (step + i) % 3 == 2, config=variant)
     assert got == want, variant
 
@@ -103,9 +105,9 @@ def test_stop_token_inside_accepted_drafts():
   truth = [t for t, _ in long_baseline()]
   stop = truth[0][4]
   got, _ = forced_run(3, lambda step, i: False, sampling=SamplingParams(max_tokens=12, stop_token_ids=(stop,)))
-  assert got[0][0] == truth[0][:truth[0].index(stop) + 1]
+  assert got[0][0] == truth[0][: truth[0].index(stop) + 1]
   for (tokens, _), ref in zip(got[1:], truth[1:]):
-    assert tokens == (ref[:ref.index(stop) + 1] if stop in ref else ref)
+    assert tokens == (ref[: ref.index(stop) + 1] if stop in ref else ref)
 
 
 def test_preemption_with_speculation():
@@ -115,8 +117,12 @@ def test_preemption_with_speculation():
   roomy = LLMEngine(runner(), cfg(block_size=128, max_model_len=256)).generate(long_prompts, sampling)
   probe = LLMEngine(runner(), cfg(block_size=128, max_model_len=256, num_speculative_tokens=2))
   state_blocks = probe.plan.blocks_per_request(1) - 1
-  tight = cfg(block_size=128, max_model_len=256, num_speculative_tokens=2,
-              memory_bytes=probe.plan.bytes_per_block * (1 + 3 * (state_blocks + 1) + 1))
+  tight = cfg(
+    block_size=128,
+    max_model_len=256,
+    num_speculative_tokens=2,
+    memory_bytes=probe.plan.bytes_per_block * (1 + 3 * (state_blocks + 1) + 1),
+  )
   engine = LLMEngine(runner(), tight)
   got = engine.generate(long_prompts, sampling)
   assert engine.scheduler.num_preemptions > 0
@@ -171,8 +177,16 @@ def _sample(logits, drafts, num_drafts, temperature, top_p=1.0, seeds=None, step
   r = logits.shape[0]
   seeds = jnp.arange(r, dtype=jnp.int32) if seeds is None else seeds
   steps = jnp.zeros(r, jnp.int32) if steps is None else steps
-  return jax.jit(sample)(logits, jnp.full(r, temperature, jnp.float32), jnp.full(r, top_p, jnp.float32),
-                         jnp.full(r, top_k, jnp.int32), seeds, steps, drafts, num_drafts)
+  return jax.jit(sample)(
+    logits,
+    jnp.full(r, temperature, jnp.float32),
+    jnp.full(r, top_p, jnp.float32),
+    jnp.full(r, top_k, jnp.int32),
+    seeds,
+    steps,
+    drafts,
+    num_drafts,
+  )
 
 
 def test_greedy_verification_accepts_the_longest_agreeing_prefix():
@@ -187,7 +201,7 @@ def test_greedy_verification_accepts_the_longest_agreeing_prefix():
   tokens, accepted, *_ = _sample(logits, jnp.asarray(drafts), num_drafts, 0.0)
   assert list(np.asarray(accepted)) == [3, 0, 1, 2, 2, 0]
   for row, a in enumerate(np.asarray(accepted)):
-    assert list(np.asarray(tokens)[row, :a + 1]) == list(greedy[row, :a + 1])
+    assert list(np.asarray(tokens)[row, : a + 1]) == list(greedy[row, : a + 1])
 
 
 def test_speculative_sampling_keeps_the_target_distribution():
@@ -214,15 +228,16 @@ def test_a_draw_does_not_depend_on_the_drafts():
   logits = jnp.asarray(rng.normal(size=(n, 4, 50)) * 2, jnp.float32)
   seeds = jnp.asarray(rng.integers(0, 2**31 - 1, n), jnp.int32)
   steps = jnp.asarray(rng.integers(0, 100, n), jnp.int32)
-  undrafted = np.asarray(_sample(logits, jnp.zeros((n, 3), jnp.int32), jnp.zeros(n, jnp.int32), 0.9, 0.95, seeds,
-                                 steps)[0])
+  undrafted = np.asarray(
+    _sample(logits, jnp.zeros((n, 3), jnp.int32), jnp.zeros(n, jnp.int32), 0.9, 0.95, seeds, steps)[0]
+  )
   for reject_at in (3, 0, 1, 2):  # 3: every draft accepted
     drafts = undrafted[:, :3].copy()
     if reject_at < 3:
       drafts[:, reject_at] = (drafts[:, reject_at] + 1) % 50
     tokens, accepted, *_ = _sample(logits, jnp.asarray(drafts), jnp.full(n, 3, jnp.int32), 0.9, 0.95, seeds, steps)
     assert list(np.asarray(accepted)) == [reject_at] * n
-    np.testing.assert_array_equal(np.asarray(tokens)[:, :reject_at + 1], undrafted[:, :reject_at + 1])
+    np.testing.assert_array_equal(np.asarray(tokens)[:, : reject_at + 1], undrafted[:, : reject_at + 1])
 
 
 def test_seeded_sampling_with_accepted_drafts_survives_preemption():
@@ -235,8 +250,12 @@ def test_seeded_sampling_with_accepted_drafts_survives_preemption():
   truth = {tuple(p): r.output_token_ids for p, r in zip(long_prompts, plain)}
   probe = LLMEngine(runner(), cfg(block_size=128, max_model_len=256, num_speculative_tokens=2))
   state_blocks = probe.plan.blocks_per_request(1) - 1
-  tight = cfg(block_size=128, max_model_len=256, num_speculative_tokens=2,
-              memory_bytes=probe.plan.bytes_per_block * (1 + 3 * (state_blocks + 1) + 1))
+  tight = cfg(
+    block_size=128,
+    max_model_len=256,
+    num_speculative_tokens=2,
+    memory_bytes=probe.plan.bytes_per_block * (1 + 3 * (state_blocks + 1) + 1),
+  )
   engine = ForcedDraftEngine(runner(), tight, truth=truth)
   got = engine.generate(long_prompts, sampling)
   assert engine.scheduler.num_preemptions > 0 and engine.num_accepted_tokens > 0
@@ -254,8 +273,9 @@ def test_top_p_draws_follow_the_sorted_nucleus():
     order = np.argsort(-p, kind="stable")
     nucleus = np.zeros(v, bool)
     nucleus[order] = (np.cumsum(p[order]) - p[order]) < top_p
-    tokens, *_ = _sample(jnp.broadcast_to(base, (n, 1, v)), jnp.zeros((n, 0), jnp.int32), jnp.zeros(n, jnp.int32),
-                              1.0, top_p)
+    tokens, *_ = _sample(
+      jnp.broadcast_to(base, (n, 1, v)), jnp.zeros((n, 0), jnp.int32), jnp.zeros(n, jnp.int32), 1.0, top_p
+    )
     first = np.asarray(tokens)[:, 0]
     assert nucleus[first].all(), top_p
     q = np.where(nucleus, p, 0) / p[nucleus].sum()
@@ -304,8 +324,18 @@ def test_top_k_and_top_p_keep_what_a_sort_keeps(ways):
     assert kept.sum() >= 1
 
 
-@pytest.mark.parametrize("shape, k", [((3, 2, 2000), 20), ((5, 1500), 16), ((4, 40), 20), ((2, 3000), 45),
-                                      ((3, 5000), 20), ((2, 2048), 7), ((12, 3000), 20)])
+@pytest.mark.parametrize(
+  "shape, k",
+  [
+    ((3, 2, 2000), 20),
+    ((5, 1500), 16),
+    ((4, 40), 20),
+    ((2, 3000), 45),
+    ((3, 5000), 20),
+    ((2, 2048), 7),
+    ((12, 3000), 20),
+  ],
+)
 def test_top_k_by_kernel_is_lax_top_k(shape, k):
   """Passes of at most 16 (XLA's GPU top-k kernel, not a sort of the row), over 1,024-entry chunks and
   then their candidates (up to 8 rows of 2,048 or more, padded) or over whole rows, give lax.top_k's values and ids: on ties
@@ -314,7 +344,7 @@ def test_top_k_by_kernel_is_lax_top_k(shape, k):
   tied = rng.integers(-30, 5, shape).astype(np.float32) / 4
   tied[..., ::7] = -np.inf
   sparse = np.full(shape, -np.inf, np.float32)  # fewer than k finite entries: -inf ties past them
-  sparse[..., 3:shape[-1]:shape[-1] // 5] = rng.normal(size=sparse[..., 3:shape[-1]:shape[-1] // 5].shape)
+  sparse[..., 3 : shape[-1] : shape[-1] // 5] = rng.normal(size=sparse[..., 3 : shape[-1] : shape[-1] // 5].shape)
   straddling = rng.normal(size=shape).astype(np.float32)
   straddling[..., 700::700] = 10.0  # equal maxima in several chunks
   for x in (tied, sparse, straddling):

@@ -14,8 +14,9 @@ from jaxkv.utils import cdiv
 __all__ = ["benchmark_decode", "decode_new_tokens"]
 
 
-def decode_new_tokens(batch: int, context: int, max_num_batched_tokens: int, steps: int, profile_steps: int = 0,
-                      num_spec: int = 0) -> int:
+def decode_new_tokens(
+  batch: int, context: int, max_num_batched_tokens: int, steps: int, profile_steps: int = 0, num_spec: int = 0
+) -> int:
   """``max_tokens`` that keeps every request decoding through the timed and profiled steps:
   requests prefilled early decode (up to ``1 + num_spec`` tokens a step) while later ones prefill,
   for up to one step per ``max_num_batched_tokens`` prompt tokens."""
@@ -23,8 +24,15 @@ def decode_new_tokens(batch: int, context: int, max_num_batched_tokens: int, ste
   return (prefill_steps + steps + profile_steps) * (1 + num_spec) + 1
 
 
-def benchmark_decode(engine: LLMEngine, prompts: Sequence[Sequence[int]], *, steps: int, new_tokens: int,
-                     profile_dir: str | None = None, profile_steps: int = 8) -> dict:
+def benchmark_decode(
+  engine: LLMEngine,
+  prompts: Sequence[Sequence[int]],
+  *,
+  steps: int,
+  new_tokens: int,
+  profile_dir: str | None = None,
+  profile_steps: int = 8,
+) -> dict:
   """Serves ``prompts`` to completion of prefill, then times ``steps`` steps in which every request
   decodes; optionally traces ``profile_steps`` more with ``jax.profiler`` into ``profile_dir``.
   With prefix caching on, the same prompts' prefill is then timed again, warm from the device's
@@ -52,9 +60,11 @@ def benchmark_decode(engine: LLMEngine, prompts: Sequence[Sequence[int]], *, ste
     tokens += sum(len(o.new_token_ids) for o in outs)
   ended = {r.request_id: r.finish_reason for r in reqs if r.finish_reason is not None}
   if ended:  # the steps were not all of len(prompts) requests
-    raise RuntimeError(f"{len(ended)} of {len(prompts)} requests ended before the timed steps did ({ended}; errors: "
-                       f"{[r.error for r in reqs if r.finish_reason == 'error']}); give them max_tokens >= "
-                       f"decode_new_tokens(...) = room for the steps they decode while the others prefill.")
+    raise RuntimeError(
+      f"{len(ended)} of {len(prompts)} requests ended before the timed steps did ({ended}; errors: "
+      f"{[r.error for r in reqs if r.finish_reason == 'error']}); give them max_tokens >= "
+      f"decode_new_tokens(...) = room for the steps they decode while the others prefill."
+    )
   drafted, accepted = engine.num_draft_tokens - drafted, engine.num_accepted_tokens - accepted
   profile = None
   if profile_dir is not None:
@@ -94,13 +104,23 @@ def benchmark_decode(engine: LLMEngine, prompts: Sequence[Sequence[int]], *, ste
       engine.step()
   lat_ms = np.asarray(lat) * 1e3
   return {
-      "batch": len(prompts), "context": len(prompts[0]), "decode_steps": len(lat), "decode_tokens": tokens,
-      "finished_before_the_end": finished_early, "prefill_s": prefill_s, **warm,
-      "decode_tokens_per_s": tokens / max(sum(lat), 1e-9),
-      "num_spec": engine.config.num_speculative_tokens, "acceptance_rate": accepted / drafted if drafted else None,
-      "step_ms_p50": float(np.percentile(lat_ms, 50)), "step_ms_p90": float(np.percentile(lat_ms, 90)),
-      "step_ms_p99": float(np.percentile(lat_ms, 99)), "warmup_s": warmup_s,
-      "slowest_step": int(np.argmax(lat_ms)), "compilations_after_warmup": compiled_warm,
-      "compilations_after_prefill": compiled_prefill, "compilations_at_end": engine.num_compilations,
-      **({"profile": profile} if profile else {}),
+    "batch": len(prompts),
+    "context": len(prompts[0]),
+    "decode_steps": len(lat),
+    "decode_tokens": tokens,
+    "finished_before_the_end": finished_early,
+    "prefill_s": prefill_s,
+    **warm,
+    "decode_tokens_per_s": tokens / max(sum(lat), 1e-9),
+    "num_spec": engine.config.num_speculative_tokens,
+    "acceptance_rate": accepted / drafted if drafted else None,
+    "step_ms_p50": float(np.percentile(lat_ms, 50)),
+    "step_ms_p90": float(np.percentile(lat_ms, 90)),
+    "step_ms_p99": float(np.percentile(lat_ms, 99)),
+    "warmup_s": warmup_s,
+    "slowest_step": int(np.argmax(lat_ms)),
+    "compilations_after_warmup": compiled_warm,
+    "compilations_after_prefill": compiled_prefill,
+    "compilations_at_end": engine.num_compilations,
+    **({"profile": profile} if profile else {}),
   }

@@ -104,17 +104,22 @@ class EngineConfig:
 
   def __post_init__(self):
     if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
-      raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} and data_parallel_size "
-                       f"{self.data_parallel_size} must be >= 1.")
+      raise ValueError(
+        f"tensor_parallel_size {self.tensor_parallel_size} and data_parallel_size "
+        f"{self.data_parallel_size} must be >= 1."
+      )
     if self.data_parallel_size > 1 and not self.enable_expert_parallel:
-      raise ValueError(f"data_parallel_size {self.data_parallel_size} without enable_expert_parallel: in one "
-                       "engine the data axis only widens the expert split. For independent replicas run one "
-                       "engine per replica, or enable expert parallelism (enable_expert_parallel).")
+      raise ValueError(
+        f"data_parallel_size {self.data_parallel_size} without enable_expert_parallel: in one "
+        "engine the data axis only widens the expert split. For independent replicas run one "
+        "engine per replica, or enable expert parallelism (enable_expert_parallel)."
+      )
     if self.kv_offload not in (None, "host", "disk"):
       raise ValueError(f"kv_offload must be None, 'host' or 'disk', got {self.kv_offload!r}.")
     if self.kv_offload and not self.enable_prefix_caching:
-      raise ValueError(f"kv_offload={self.kv_offload!r} is a second level of the prefix cache: set "
-                       "enable_prefix_caching=True too.")
+      raise ValueError(
+        f"kv_offload={self.kv_offload!r} is a second level of the prefix cache: set enable_prefix_caching=True too."
+      )
     if self.kv_offload == "disk" and not self.kv_offload_dir:
       raise ValueError("kv_offload='disk' needs kv_offload_dir, the directory where blocks are kept.")
     if self.kv_offload and self.kv_offload_bytes <= 0:
@@ -141,8 +146,9 @@ class EngineConfig:
     """``buckets``, or powers of two from 8 up to the token budget (always the last bucket)."""
     if self.buckets is not None:
       if max(self.buckets) < self.max_num_batched_tokens:
-        raise ValueError(f"token buckets {self.buckets} must reach max_num_batched_tokens "
-                         f"{self.max_num_batched_tokens}.")
+        raise ValueError(
+          f"token buckets {self.buckets} must reach max_num_batched_tokens {self.max_num_batched_tokens}."
+        )
       return tuple(sorted(self.buckets))
     b = [x for x in (2**i for i in range(3, 20)) if x < self.max_num_batched_tokens]
     return tuple(b) + (self.max_num_batched_tokens,)
@@ -174,10 +180,17 @@ class _PackedInputs:
     spec = [(name, (t,), default) for name, default in _TOKEN_FIELDS.items()]
     spec += [(f"table{g}", (r, w), 0) for g, w in enumerate(self.widths)]
     spec += [(f"count{g}", (r,), 0) for g in range(len(self.widths))]
-    spec += [("state_slots", (r,), 0), ("sample_indices", (r, 1 + k), -1), ("draft_ids", (r, k), 0),
-             ("num_drafts", (r,), 0), ("temperature_f32", (r,), 0.0), ("top_p_f32", (r,), 1.0), ("top_k", (r,), 0),
-             ("seeds", (r,), 0),
-             ("steps", (r,), 0)]
+    spec += [
+      ("state_slots", (r,), 0),
+      ("sample_indices", (r, 1 + k), -1),
+      ("draft_ids", (r, k), 0),
+      ("num_drafts", (r,), 0),
+      ("temperature_f32", (r,), 0.0),
+      ("top_p_f32", (r,), 1.0),
+      ("top_k", (r,), 0),
+      ("seeds", (r,), 0),
+      ("steps", (r,), 0),
+    ]
     out, at = {}, 0
     for name, shape, default in spec:
       out[name] = (at, shape, default)
@@ -194,29 +207,30 @@ class _PackedInputs:
   def host_views(self, buf: np.ndarray) -> dict[str, np.ndarray]:
     views = {}
     for name, (at, shape, _) in self.fields.items():
-      v = buf[at:at + math.prod(shape)].reshape(shape)
+      v = buf[at : at + math.prod(shape)].reshape(shape)
       views[name] = v.view(np.float32) if name.endswith("_f32") else v
     return views
 
   def device_views(self, arr: jax.Array) -> dict[str, jax.Array]:
     views = {}
     for name, (at, shape, _) in self.fields.items():
-      v = arr[at:at + math.prod(shape)].reshape(shape)
+      v = arr[at : at + math.prod(shape)].reshape(shape)
       views[name] = jax.lax.bitcast_convert_type(v, jnp.float32) if name.endswith("_f32") else v
     return views
 
 
 def _pack_outputs(*arrays) -> jax.Array:
   """One int32 vector of the step's outputs (float32 as bits): one transfer back."""
-  return jnp.concatenate([(jax.lax.bitcast_convert_type(a, jnp.int32) if a.dtype == jnp.float32 else a).ravel()
-                          for a in arrays])
+  return jnp.concatenate(
+    [(jax.lax.bitcast_convert_type(a, jnp.int32) if a.dtype == jnp.float32 else a).ravel() for a in arrays]
+  )
 
 
 def _unpack_outputs(flat: np.ndarray, shapes) -> list[np.ndarray]:
   out, at = [], 0
   for shape, dtype in shapes:
     n = math.prod(shape)
-    out.append(flat[at:at + n].view(dtype).reshape(shape))
+    out.append(flat[at : at + n].view(dtype).reshape(shape))
     at += n
   return out
 
@@ -230,9 +244,16 @@ class _StepStatics:
 
   _interned: dict = {}
 
-  def __init__(self, runner: ModelRunner, layout, metadata_spec: StepMetadataSpec, num_speculative_tokens: int,
-               params_treedef, replicated: NamedSharding | None = None,
-               cache_shardings: dict[str, NamedSharding] | None = None):
+  def __init__(
+    self,
+    runner: ModelRunner,
+    layout,
+    metadata_spec: StepMetadataSpec,
+    num_speculative_tokens: int,
+    params_treedef,
+    replicated: NamedSharding | None = None,
+    cache_shardings: dict[str, NamedSharding] | None = None,
+  ):
     self.runner, self.layout, self.metadata_spec = runner, layout, metadata_spec
     self.num_speculative_tokens = num_speculative_tokens
     self.params_treedef = params_treedef
@@ -255,8 +276,7 @@ class _StepStatics:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4))
-def _device_step(statics: _StepStatics, packing: _PackedInputs, param_leaves, caches, kernel_tables, packed,
-                 prev_out):
+def _device_step(statics: _StepStatics, packing: _PackedInputs, param_leaves, caches, kernel_tables, packed, prev_out):
   """Unpacks the step's one input buffer; returns the packed outputs, the caches, the kernel tables.
 
   ``prev_out``: the previous step's packed outputs, still on the device. A token whose id the host
@@ -266,13 +286,33 @@ def _device_step(statics: _StepStatics, packing: _PackedInputs, param_leaves, ca
   groups = range(len(packing.widths))
   src = v["prev_token_index"]
   input_ids = jnp.where(src >= 0, prev_out[jnp.maximum(src, 0)], v["input_ids"])
-  inputs = StepInputs(input_ids, v["positions"], v["req_indices"], tuple(v[f"table{g}"] for g in groups),
-                      tuple(v[f"count{g}"] for g in groups), None, v["state_slots"])  # metadata: _step's first act
+  inputs = StepInputs(
+    input_ids,
+    v["positions"],
+    v["req_indices"],
+    tuple(v[f"table{g}"] for g in groups),
+    tuple(v[f"count{g}"] for g in groups),
+    None,
+    v["state_slots"],
+  )  # metadata: _step's first act
   params = jax.tree.unflatten(statics.params_treedef, param_leaves)
-  out, plp, caches, kernel_tables = _step(statics, params, caches, kernel_tables, inputs, v["sample_indices"],
-                                          v["next_ids"], v["draft_ids"], v["num_drafts"], v["temperature_f32"],
-                                          v["top_p_f32"], v["top_k"], v["seeds"], v["steps"],
-                                          prompt_logprobs=packing.prompt_logprobs)
+  out, plp, caches, kernel_tables = _step(
+    statics,
+    params,
+    caches,
+    kernel_tables,
+    inputs,
+    v["sample_indices"],
+    v["next_ids"],
+    v["draft_ids"],
+    v["num_drafts"],
+    v["temperature_f32"],
+    v["top_p_f32"],
+    v["top_k"],
+    v["seeds"],
+    v["steps"],
+    prompt_logprobs=packing.prompt_logprobs,
+  )
   out, plp = _pack_outputs(*out), None if plp is None else _pack_outputs(*plp)
   if statics.replicated is not None:
     # Whatever XLA's partitioner chose inside, the step's state leaves as it came: the next step
@@ -282,8 +322,24 @@ def _device_step(statics: _StepStatics, packing: _PackedInputs, param_leaves, ca
   return out, plp, caches, kernel_tables
 
 
-def _step(statics: _StepStatics, params, caches, kernel_tables, inputs: StepInputs, sample_indices, next_ids,
-          draft_ids, num_drafts, temperature, top_p, top_k, seeds, steps, *, prompt_logprobs: bool = False):
+def _step(
+  statics: _StepStatics,
+  params,
+  caches,
+  kernel_tables,
+  inputs: StepInputs,
+  sample_indices,
+  next_ids,
+  draft_ids,
+  num_drafts,
+  temperature,
+  top_p,
+  top_k,
+  seeds,
+  steps,
+  *,
+  prompt_logprobs: bool = False,
+):
   """The step's metadata, the trunk over the step's tokens, verification and sampling of each
   sampling row, then the drafts for the next step.
 
@@ -299,22 +355,28 @@ def _step(statics: _StepStatics, params, caches, kernel_tables, inputs: StepInpu
   next-token log-probs (``_next_token_logprobs``; else None), the caches and the kernel tables.
   """
   runner, layout = statics.runner, statics.layout
-  meta = compute_step_metadata(inputs.block_tables, inputs.num_blocks, inputs.req_indices, inputs.positions,
-                               kernel_tables, spec=statics.metadata_spec)
+  meta = compute_step_metadata(
+    inputs.block_tables,
+    inputs.num_blocks,
+    inputs.req_indices,
+    inputs.positions,
+    kernel_tables,
+    spec=statics.metadata_spec,
+  )
   kernel_tables = meta.kernel_block_tables
   inputs = dataclasses.replace(inputs, metadata=meta)
   hidden, caches = runner.forward(params, caches, inputs, layout)
   plp = _next_token_logprobs(runner, params, hidden, next_ids) if prompt_logprobs else None
   logits = runner.compute_logits(params, hidden[jnp.maximum(sample_indices, 0)])  # [R, S, V]
-  tokens, num_accepted, top_lp, top_ids, token_lp, token_rank = sample(logits, temperature, top_p, top_k, seeds,
-                                                                      steps, draft_ids, num_drafts)
+  tokens, num_accepted, top_lp, top_ids, token_lp, token_rank = sample(
+    logits, temperature, top_p, top_k, seeds, steps, draft_ids, num_drafts
+  )
   k = statics.num_speculative_tokens
   if k:
     # The token after each step token is known on the host, or was just sampled (accepted drafts
     # and the new token); drafts continue from each row's last accepted token.
     t = next_ids.shape[0]
-    sampled = jnp.zeros((t,), jnp.int32).at[jnp.where(sample_indices >= 0, sample_indices, t)].set(tokens,
-                                                                                                   mode="drop")
+    sampled = jnp.zeros((t,), jnp.int32).at[jnp.where(sample_indices >= 0, sample_indices, t)].set(tokens, mode="drop")
     next_ids = jnp.where(next_ids >= 0, next_ids, sampled)
     last = jnp.take_along_axis(sample_indices, num_accepted[:, None], axis=1)[:, 0]  # [R]
     draft_ids, caches = runner.propose_drafts(params, caches, hidden, next_ids, inputs, last, layout, num_drafts=k)
@@ -359,22 +421,36 @@ class LLMEngine:
     self.runner = runner
     k = config.num_speculative_tokens
     if config.max_model_len > runner.max_model_len:
-      raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {runner.max_model_len} positions: "
-                       f"lower it (CacheConfig.max_model_len).")
+      raise ValueError(
+        f"max_model_len {config.max_model_len} exceeds the model's {runner.max_model_len} positions: "
+        f"lower it (CacheConfig.max_model_len)."
+      )
     if 1 + k > config.max_num_batched_tokens:
-      raise ValueError(f"max_num_batched_tokens {config.max_num_batched_tokens} cannot hold a verify step of "
-                       f"1 + {k} tokens.")
+      raise ValueError(
+        f"max_num_batched_tokens {config.max_num_batched_tokens} cannot hold a verify step of 1 + {k} tokens."
+      )
     self.plan = plan_for(runner, config.cache, tensor_parallel_size=config.tensor_parallel_size)
     groups = self.plan.kv_cache_groups
-    self.kv = KVCacheManager([g.kv_cache_spec for g in groups], self.plan.num_blocks,
-                             enable_caching=config.enable_prefix_caching, use_eagle=k > 0)
-    self.tables = MultiGroupBlockTable([g.kv_cache_spec.block_size for g in groups], config.max_num_reqs,
-                                       self.plan.block_table_widths())
+    self.kv = KVCacheManager(
+      [g.kv_cache_spec for g in groups],
+      self.plan.num_blocks,
+      enable_caching=config.enable_prefix_caching,
+      use_eagle=k > 0,
+    )
+    self.tables = MultiGroupBlockTable(
+      [g.kv_cache_spec.block_size for g in groups], config.max_num_reqs, self.plan.block_table_widths()
+    )
     self.connector = self._make_connector(runner, config)
     self.swap = SwapSpace(self.plan, config.swap_space_bytes) if config.preemption_mode == "swap" else None
-    self.scheduler = Scheduler(self.kv, self.tables, max_num_reqs=config.max_num_reqs,
-                               max_num_batched_tokens=config.max_num_batched_tokens,
-                               num_lookahead_tokens=max(k - 1, 0), connector=self.connector, swap=self.swap)
+    self.scheduler = Scheduler(
+      self.kv,
+      self.tables,
+      max_num_reqs=config.max_num_reqs,
+      max_num_batched_tokens=config.max_num_batched_tokens,
+      num_lookahead_tokens=max(k - 1, 0),
+      connector=self.connector,
+      swap=self.swap,
+    )
     self._cache_shardings = cache_shardings(self.plan, self.mesh)
     # The state the step carries (caches, kernel tables) is committed to its device from the start,
     # on one device too: a swap-in's or a load's device_put commits the caches, and a step whose
@@ -396,19 +472,28 @@ class LLMEngine:
     if meta_impl == "auto":  # the runner's kernel switch: the kernel on a GPU, or when it asks for Pallas
       meta_impl = gpu_kernel_implementation(getattr(runner, "implementation", "xla"))
     meta_spec = StepMetadataSpec.from_plan(self.plan, implementation=meta_impl)
-    self._statics = _StepStatics.intern(runner, runner.paged_layout(self.plan), meta_spec, k, treedef,
-                                        self._replicated, self._cache_shardings)
+    self._statics = _StepStatics.intern(
+      runner, runner.paged_layout(self.plan), meta_spec, k, treedef, self._replicated, self._cache_shardings
+    )
     self._packings: dict[int, _PackedInputs] = {}  # by token bucket
     s, top = 1 + k, min(MAX_LOGPROBS, runner.vocab_size)
     r = config.max_num_reqs
     # The tokens first: the next step reads a token in flight at its place here (prev_token_index).
-    self._out_shapes = [((r, s), np.int32), ((r,), np.int32), ((r, s, top), np.float32), ((r, s, top), np.int32),
-                        ((r, k), np.int32), ((r, s), np.float32), ((r, s), np.int32)]
+    self._out_shapes = [
+      ((r, s), np.int32),
+      ((r,), np.int32),
+      ((r, s, top), np.float32),
+      ((r, s, top), np.int32),
+      ((r, k), np.int32),
+      ((r, s), np.float32),
+      ((r, s), np.int32),
+    ]
     self._async = config.async_scheduling and k == 0
     # The step in flight (async scheduling): its chunks and its packed outputs, not yet read back.
     self._in_flight: tuple[list, jax.Array] | None = None
-    self._prev_out = jax.device_put(jnp.zeros(sum(math.prod(shape) for shape, _ in self._out_shapes), jnp.int32),
-                                    self._placement)
+    self._prev_out = jax.device_put(
+      jnp.zeros(sum(math.prod(shape) for shape, _ in self._out_shapes), jnp.int32), self._placement
+    )
     self._requests: dict[str, Request] = {}
     self._lock = threading.RLock()  # one step at a time; add_request and abort wait for it
     self._arrivals = itertools.count()
@@ -421,9 +506,15 @@ class LLMEngine:
     if config.kv_offload == "host":
       return OffloadingConnector(self.plan, HostTier(config.kv_offload_bytes))
     if config.kv_offload == "disk":
-      payload = {g: BlockRegions.from_plan(self.plan, [g]).bytes_per_block for g in range(len(self.plan.kv_cache_groups))}
-      tier = DiskTier(config.kv_offload_dir, config.kv_offload_bytes, offload_fingerprint(self.plan, runner.params),
-                      payload_bytes=payload)
+      payload = {
+        g: BlockRegions.from_plan(self.plan, [g]).bytes_per_block for g in range(len(self.plan.kv_cache_groups))
+      }
+      tier = DiskTier(
+        config.kv_offload_dir,
+        config.kv_offload_bytes,
+        offload_fingerprint(self.plan, runner.params),
+        payload_bytes=payload,
+      )
       return OffloadingConnector(self.plan, tier)
     return None
 
@@ -447,8 +538,10 @@ class LLMEngine:
   def _check_request(self, request_id: str, prompt_token_ids, sampling) -> list[int]:
     """The prompt as a list of ints, or a ValueError naming the request, the field and the value."""
     if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, (Sequence, np.ndarray)):
-      raise ValueError(f"request {request_id!r}: prompt_token_ids must be a sequence of token ids, got "
-                       f"{type(prompt_token_ids).__name__} {prompt_token_ids!r}.")
+      raise ValueError(
+        f"request {request_id!r}: prompt_token_ids must be a sequence of token ids, got "
+        f"{type(prompt_token_ids).__name__} {prompt_token_ids!r}."
+      )
     if not isinstance(sampling, SamplingParams):
       raise ValueError(f"request {request_id!r}: sampling must be SamplingParams, got {type(sampling).__name__}.")
     ids = list(prompt_token_ids)
@@ -459,11 +552,15 @@ class LLMEngine:
       if not is_int(t) or not 0 <= t < vocab:
         raise ValueError(f"request {request_id!r}: prompt token {i} is {t!r}; token ids are integers in [0, {vocab}).")
     if sampling.n != 1 or sampling.stop:
-      raise ValueError(f"request {request_id!r}: n={sampling.n} and stop={list(sampling.stop)} need the text "
-                       f"layer: use jaxkv.LLM (the engine serves one token sequence per request).")
+      raise ValueError(
+        f"request {request_id!r}: n={sampling.n} and stop={list(sampling.stop)} need the text "
+        f"layer: use jaxkv.LLM (the engine serves one token sequence per request)."
+      )
     if len(ids) + sampling.max_tokens > self.config.max_model_len:
-      raise ValueError(f"request {request_id!r}: {len(ids)} prompt + {sampling.max_tokens} new tokens exceed "
-                       f"max_model_len {self.config.max_model_len}.")
+      raise ValueError(
+        f"request {request_id!r}: {len(ids)} prompt + {sampling.max_tokens} new tokens exceed "
+        f"max_model_len {self.config.max_model_len}."
+      )
     return [int(t) for t in ids]
 
   def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams = SamplingParams()):
@@ -500,7 +597,7 @@ class LLMEngine:
     also the steps that serve requests asking for them (else compiled at their first use).
     Returns ``num_compilations``."""
     for bucket in self.config.token_buckets:
-      for plp in (False, True)[:1 + prompt_logprobs]:
+      for plp in (False, True)[: 1 + prompt_logprobs]:
         self._read_back(self._launch([], bucket, prompt_logprobs=plp)[0])
     self._copy_blocks([], warmup=True)
     return self.num_compilations
@@ -573,11 +670,13 @@ class LLMEngine:
     k = cfg.num_speculative_tokens
     r = cfg.max_num_reqs
     prompt_logprobs = prompt_logprobs or any(
-        c.request.sampling.prompt_logprobs is not None and c.start < len(c.request.prompt_token_ids) - 1 for c in chunks)
+      c.request.sampling.prompt_logprobs is not None and c.start < len(c.request.prompt_token_ids) - 1 for c in chunks
+    )
     packing = self._packings.get((bucket, prompt_logprobs))
     if packing is None:
       packing = self._packings[bucket, prompt_logprobs] = _PackedInputs(
-          bucket, r, tuple(bt.width for bt in self.tables.block_tables), k, prompt_logprobs)
+        bucket, r, tuple(bt.width for bt in self.tables.block_tables), k, prompt_logprobs
+      )
     buf = packing.template.copy()
     v = packing.host_views(buf)
     laid_out, failed = [], []
@@ -594,8 +693,9 @@ class LLMEngine:
       v[f"table{g}"][...] = bt.block_table
       v[f"count{g}"][...] = bt.num_blocks_per_row
     packed = jax.device_put(buf, self._placement)  # one host-to-device transfer for the whole step
-    out, plp, self.caches, self.kernel_tables = _device_step(self._statics, packing, self._param_leaves, self.caches,
-                                                             self.kernel_tables, packed, self._prev_out)
+    out, plp, self.caches, self.kernel_tables = _device_step(
+      self._statics, packing, self._param_leaves, self.caches, self.kernel_tables, packed, self._prev_out
+    )
     self._prev_out = out
     for a in (out, plp) if plp is not None else (out,):
       a.copy_to_host_async()  # the read-back then waits only for the step, not for a transfer after it
@@ -611,7 +711,7 @@ class LLMEngine:
     """Back to padding: the chunk's tokens and its request's row fields."""
     for name, (_, _, default) in packing.fields.items():
       if name in _TOKEN_FIELDS:
-        v[name][c.offset:c.offset + c.num_tokens] = default
+        v[name][c.offset : c.offset + c.num_tokens] = default
       elif not name.startswith(("table", "count")):  # the block tables are the host's, whole
         v[name][c.request.row] = default
 
@@ -623,18 +723,18 @@ class LLMEngine:
     end = c.start + c.num_tokens
     ids = req.token_ids(c.start, end)  # the chunk's known tokens and drafts
     known_ids = len(ids)
-    v["input_ids"][at:at + known_ids] = ids
+    v["input_ids"][at : at + known_ids] = ids
     if known_ids < c.num_tokens:  # the token in flight: read on the device from the step before
       v["prev_token_index"][at + known_ids] = req.in_flight_row * (1 + k)
-    v["positions"][at:at + c.num_tokens] = np.arange(c.start, end)
-    v["req_indices"][at:at + c.num_tokens] = req.row
+    v["positions"][at : at + c.num_tokens] = np.arange(c.start, end)
+    v["req_indices"][at : at + c.num_tokens] = req.row
     num_known = len(req.prompt_token_ids) + len(req.output_token_ids)
     known = max(min(end, num_known - 1) - c.start, 0)  # tokens whose successor is committed
-    v["next_ids"][at:at + known] = req.token_ids(c.start + 1, c.start + 1 + known)
+    v["next_ids"][at : at + known] = req.token_ids(c.start + 1, c.start + 1 + known)
     v["state_slots"][req.row] = req.state_slot
     if c.samples:
       d, last = c.num_drafts, at + c.num_tokens
-      v["sample_indices"][req.row, :d + 1] = np.arange(last - d - 1, last)
+      v["sample_indices"][req.row, : d + 1] = np.arange(last - d - 1, last)
       v["draft_ids"][req.row, :d] = req.spec_token_ids[:d]
       v["num_drafts"][req.row] = d
       v["temperature_f32"][req.row] = req.sampling.temperature
@@ -650,16 +750,18 @@ class LLMEngine:
     if plp is not None:
       top = min(MAX_LOGPROBS, self.runner.vocab_size)
       t = plp.size // (2 + 2 * top)
-      plp = _unpack_outputs(np.asarray(plp), [((t,), np.float32), ((t,), np.int32), ((t, top), np.float32),
-                                              ((t, top), np.int32)])
+      plp = _unpack_outputs(
+        np.asarray(plp), [((t,), np.float32), ((t,), np.int32), ((t, top), np.float32), ((t, top), np.int32)]
+      )
     return _unpack_outputs(np.asarray(flat), self._out_shapes) + [plp]
 
   def _next_drafts(self, request: Request, drafts: list[int]) -> list[int]:
     """The drafts to verify next step (the MTP layer's); a seam for tests that force drafts."""
     return drafts
 
-  def _update(self, chunks, tokens, num_accepted, top_lp, top_ids, drafts, token_lp, token_rank,
-              plp) -> list[StepOutput]:
+  def _update(
+    self, chunks, tokens, num_accepted, top_lp, top_ids, drafts, token_lp, token_rank, plp
+  ) -> list[StepOutput]:
     k = self.config.num_speculative_tokens
     outputs = []
     for c in chunks:
@@ -686,8 +788,10 @@ class LLMEngine:
       new_ids, new_lps, own, reason = [], [], [], None
       for j in range(a + 1):
         token = int(tokens[row, j])
-        lps = [(int(i), float(v)) for i, v in zip(top_ids[row, j, : req.sampling.logprobs],
-                                                  top_lp[row, j, : req.sampling.logprobs])]
+        lps = [
+          (int(i), float(v))
+          for i, v in zip(top_ids[row, j, : req.sampling.logprobs], top_lp[row, j, : req.sampling.logprobs])
+        ]
         req.output_token_ids.append(token)
         req.output_logprobs.append(lps)
         new_ids.append(token)
@@ -706,11 +810,20 @@ class LLMEngine:
       elif k:
         # No draft past the last token the request may emit (its verify step emits drafts + 1).
         room = req.sampling.max_tokens - len(req.output_token_ids) - 1
-        req.spec_token_ids = self._next_drafts(req, [int(x) for x in drafts[row, :min(k, room)]])
+        req.spec_token_ids = self._next_drafts(req, [int(x) for x in drafts[row, : min(k, room)]])
       prompt_lps = list(req.prompt_logprobs) if first and req.sampling.prompt_logprobs is not None else None
-      outputs.append(StepOutput(req.request_id, new_ids, new_lps if req.sampling.logprobs else [],
-                                reason is not None, reason, req.num_cached_tokens, prompt_lps,
-                                own if req.sampling.logprobs else []))
+      outputs.append(
+        StepOutput(
+          req.request_id,
+          new_ids,
+          new_lps if req.sampling.logprobs else [],
+          reason is not None,
+          reason,
+          req.num_cached_tokens,
+          prompt_lps,
+          own if req.sampling.logprobs else [],
+        )
+      )
     return outputs
 
   @staticmethod
@@ -720,14 +833,27 @@ class LLMEngine:
     target_lp, rank, top_lp, top_ids = plp
     prompt, n, done = req.prompt_token_ids, req.sampling.prompt_logprobs, len(req.prompt_logprobs)
     if c.start > done:  # no prompt token is ever skipped (such requests take no prefix-cache hit)
-      raise RuntimeError(f"request {req.request_id}: prompt log-probs of positions {done}..{c.start} were not computed.")
+      raise RuntimeError(
+        f"request {req.request_id}: prompt log-probs of positions {done}..{c.start} were not computed."
+      )
     for p in range(done, min(c.start + c.num_tokens, len(prompt) - 1)):
       i = c.offset + p - c.start
-      req.prompt_logprobs.append(PromptLogprob(prompt[p + 1], float(target_lp[i]), int(rank[i]),
-                                               [(int(t), float(v)) for t, v in zip(top_ids[i, :n], top_lp[i, :n])]))
+      req.prompt_logprobs.append(
+        PromptLogprob(
+          prompt[p + 1],
+          float(target_lp[i]),
+          int(rank[i]),
+          [(int(t), float(v)) for t, v in zip(top_ids[i, :n], top_lp[i, :n])],
+        )
+      )
 
-  def generate(self, prompts: Iterable[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-               *, progress=None) -> list[Request]:
+  def generate(
+    self,
+    prompts: Iterable[Sequence[int]],
+    sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+    *,
+    progress=None,
+  ) -> list[Request]:
     """Runs prompts to completion; returns the finished requests in prompt order."""
     prompts = list(prompts)
     params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
@@ -744,4 +870,3 @@ class LLMEngine:
         progress(self, outs)
     self.wait_for_save()
     return reqs
-

@@ -57,8 +57,9 @@ class ModelRunner(Protocol):
   def compute_logits(self, params, hidden: jax.Array) -> jax.Array:
     """float32 logits ``[..., V]`` of hidden states ``[..., D]``."""
 
-  def propose_drafts(self, params, caches, hidden, next_ids, inputs: StepInputs, last: jax.Array, layout, *,
-                     num_drafts: int) -> tuple[jax.Array, dict]:
+  def propose_drafts(
+    self, params, caches, hidden, next_ids, inputs: StepInputs, last: jax.Array, layout, *, num_drafts: int
+  ) -> tuple[jax.Array, dict]:
     """Drafts ``[R, num_drafts]`` continuing each row's token ``last[r]`` (-1: none), and the caches.
 
     ``next_ids [T]``: the token after each step token (known or just sampled).
@@ -69,22 +70,34 @@ class ModelFamily(Protocol):
   """How the command line builds a runner of one architecture without importing it."""
 
   def load_config(self, model_path: str): ...
+
   builtin_config_names: tuple[str, ...]
+
   def builtin_config(self, name: str): ...
-  def from_pretrained(self, model_path: str, *, dtype: str, implementation: str, check_weights: bool = False,
-                      mesh: jax.sharding.Mesh | None = None, expert_parallel: bool = False) -> ModelRunner: ...
+  def from_pretrained(
+    self,
+    model_path: str,
+    *,
+    dtype: str,
+    implementation: str,
+    check_weights: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
+    expert_parallel: bool = False,
+  ) -> ModelRunner: ...
   def from_random(self, config, *, dtype: str, seed: int, implementation: str) -> ModelRunner: ...
-  def get_kv_cache_layers(self, config, cache_config: CacheConfig, *,
-                          tensor_parallel_size: int = 1) -> Sequence[KVCacheLayer]: ...
+  def get_kv_cache_layers(
+    self, config, cache_config: CacheConfig, *, tensor_parallel_size: int = 1
+  ) -> Sequence[KVCacheLayer]: ...
   def weight_bytes(self, config, dtype: str) -> int: ...
-  def check_parallel(self, config, *, tensor_parallel_size: int, data_parallel_size: int,
-                     expert_parallel: bool) -> None: ...
+  def check_parallel(
+    self, config, *, tensor_parallel_size: int, data_parallel_size: int, expert_parallel: bool
+  ) -> None: ...
   def describe(self, config, cache_config: CacheConfig) -> str: ...
 
 
 # Architecture name -> "module:object". Imported on first use.
 MODEL_REGISTRY: dict[str, str] = {
-    "glm5_next": "models.glm5_next.runner:FAMILY",
+  "glm5_next": "models.glm5_next.runner:FAMILY",
 }
 
 

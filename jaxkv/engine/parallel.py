@@ -29,10 +29,12 @@ def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1, device
     raise ValueError(f"tensor_parallel_size {tp} and data_parallel_size {dp} must be >= 1.")
   devices = list(jax.devices() if devices is None else devices)
   if tp * dp > len(devices):
-    raise ValueError(f"tensor_parallel_size {tp} x data_parallel_size {dp} needs {tp * dp} devices; "
-                     f"{len(devices)} are visible ({devices[0].platform}). On a CPU, "
-                     f"XLA_FLAGS=--xla_force_host_platform_device_count={tp * dp} (set before JAX starts) makes more.")
-  return Mesh(np.asarray(devices[:tp * dp], dtype=object).reshape(dp, tp), ("data", "tensor"))
+    raise ValueError(
+      f"tensor_parallel_size {tp} x data_parallel_size {dp} needs {tp * dp} devices; "
+      f"{len(devices)} are visible ({devices[0].platform}). On a CPU, "
+      f"XLA_FLAGS=--xla_force_host_platform_device_count={tp * dp} (set before JAX starts) makes more."
+    )
+  return Mesh(np.asarray(devices[: tp * dp], dtype=object).reshape(dp, tp), ("data", "tensor"))
 
 
 def replicated(mesh: Mesh | None) -> NamedSharding | None:
@@ -47,6 +49,8 @@ def cache_shardings(plan, mesh: Mesh | None) -> dict[str, NamedSharding] | None:
     return None
   for t in plan.tensors:
     if t.shards > 1 and t.shards != mesh.shape["tensor"]:
-      raise ValueError(f"{t.name} is planned in {t.shards} shards, but the mesh's tensor axis has "
-                       f"{mesh.shape['tensor']} devices; plan with tensor_parallel_size={mesh.shape['tensor']}.")
+      raise ValueError(
+        f"{t.name} is planned in {t.shards} shards, but the mesh's tensor axis has "
+        f"{mesh.shape['tensor']} devices; plan with tensor_parallel_size={mesh.shape['tensor']}."
+      )
   return {t.name: NamedSharding(mesh, P(None, "tensor") if t.shards > 1 else P()) for t in plan.tensors}

@@ -74,8 +74,9 @@ class SamplingParams:
       object.__setattr__(self, "logprobs", 0)
     if is_int(self.top_k) and self.top_k == -1:
       object.__setattr__(self, "top_k", 0)
-    for name in ("max_tokens", "logprobs", "top_k", "n") + (("prompt_logprobs",) if self.prompt_logprobs is not None
-                                                           else ()):
+    for name in ("max_tokens", "logprobs", "top_k", "n") + (
+      ("prompt_logprobs",) if self.prompt_logprobs is not None else ()
+    ):
       if not is_int(getattr(self, name)):
         raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}.")
     for name in ("temperature", "top_p"):

@@ -23,15 +23,15 @@ def nucleus_ways(rows: int) -> int:
 
 
 def sample(
-    logits: Float[Array, "R S V"],
-    temperature: Float[Array, "R"],
-    top_p: Float[Array, "R"],
-    top_k: Int[Array, "R"],
-    seeds: Int[Array, "R"],
-    steps: Int[Array, "R"],
-    draft_ids: Int[Array, "R S-1"],
-    num_drafts: Int[Array, "R"],
-) -> tuple[Int[Array, "R S"], Int[Array, "R"], Float[Array, "R S K"], Int[Array, "R S K"]]:
+  logits: Float[Array, "R S V"],
+  temperature: Float[Array, " R"],
+  top_p: Float[Array, " R"],
+  top_k: Int[Array, " R"],
+  seeds: Int[Array, " R"],
+  steps: Int[Array, " R"],
+  draft_ids: Int[Array, "R S-1"],
+  num_drafts: Int[Array, " R"],
+) -> tuple[Int[Array, "R S"], Int[Array, " R"], Float[Array, "R S K"], Int[Array, "R S K"]]:
   """Verifies each row's drafts and samples its next tokens.
 
   Row ``r`` has the target's logits at ``S`` consecutive positions: position ``i`` scores the token
@@ -84,7 +84,8 @@ def sample(
   floor = _nucleus_floor(probs, top_p[:, None, None], nucleus_ways(r * s), top_k[:, None, None])
   masked = jnp.where(probs >= floor, scaled, -jnp.inf)  # log-weights of p_i
   keys = jax.vmap(lambda sd, st: jax.random.fold_in(jax.random.key(sd), st))(
-      jnp.repeat(seeds, s), (steps[:, None] + idx).reshape(-1))  # [R * S]
+    jnp.repeat(seeds, s), (steps[:, None] + idx).reshape(-1)
+  )  # [R * S]
   drawn = jax.vmap(jax.random.categorical)(keys, masked.reshape(r * s, v)).reshape(r, s)
   tokens = jnp.where(hot[:, None], drawn, greedy).astype(jnp.int32)
   # Drafts are accepted while they equal the tokens; the token after them is the next one.
@@ -152,8 +153,9 @@ def _top_k_ids(rows: Float[Array, "R N"], k: int) -> Int[Array, "R k"]:
   return jnp.concatenate(taken, axis=-1)
 
 
-def _nucleus_floor(probs: Float[Array, "... V"], top_p: Float[Array, "... 1"], ways: int,
-                   top_k: Int[Array, "... 1"] | None = None) -> Float[Array, "... 1"]:
+def _nucleus_floor(
+  probs: Float[Array, "... V"], top_p: Float[Array, "... 1"], ways: int, top_k: Int[Array, "... 1"] | None = None
+) -> Float[Array, "... 1"]:
   """The least probability that top-p (and top-k) sampling keeps: token ``i`` is kept iff
   ``probs[i] >= floor``, i.e. iff the tokens strictly more probable than it hold less than
   ``top_p`` of the mass and (with ``top_k > 0``) number fewer than ``top_k``.

@@ -42,9 +42,17 @@ class ScheduledChunk:
 
 
 class Scheduler:
-
-  def __init__(self, kv_manager: KVCacheManager, block_tables: MultiGroupBlockTable, *, max_num_reqs: int,
-               max_num_batched_tokens: int, num_lookahead_tokens: int = 0, connector=None, swap=None):
+  def __init__(
+    self,
+    kv_manager: KVCacheManager,
+    block_tables: MultiGroupBlockTable,
+    *,
+    max_num_reqs: int,
+    max_num_batched_tokens: int,
+    num_lookahead_tokens: int = 0,
+    connector=None,
+    swap=None,
+  ):
     """``num_lookahead_tokens``: slots past the scheduled tokens that a sampling chunk also needs
     (the MTP draft steps write the draft positions). ``connector``: a ``KVConnectorBase`` asked for
     external prefix hits at admission; ``swap``: a ``SwapSpace`` for preemption by swapping."""
@@ -104,8 +112,9 @@ class Scheduler:
     end = request.num_computed_tokens + n
     if end >= request.num_tokens:
       end += self.lookahead
-    new = self.kv.allocate_slots(request.request_id, end, num_computed_tokens=request.num_computed_tokens,
-                                 new_computed_blocks=hits)
+    new = self.kv.allocate_slots(
+      request.request_id, end, num_computed_tokens=request.num_computed_tokens, new_computed_blocks=hits
+    )
     if new is None:
       return False
     self.tables.append_row(new, request.row)
@@ -131,8 +140,9 @@ class Scheduler:
   def _chunk(request: Request, n: int, offset: int) -> ScheduledChunk:
     start = request.num_computed_tokens
     end = start + n
-    return ScheduledChunk(request, start, n, end >= request.num_tokens, max(0, end - request.num_tokens), request.row,
-                          offset)
+    return ScheduledChunk(
+      request, start, n, end >= request.num_tokens, max(0, end - request.num_tokens), request.row, offset
+    )
 
   def schedule(self) -> list[ScheduledChunk]:
     budget = self.budget
@@ -175,8 +185,9 @@ class Scheduler:
           request.num_computed_tokens = 0
         if not self.running and not chunks:
           raise RuntimeError(
-              f"request {request.request_id} needs more KV-cache blocks than the pool has "
-              f"({self.kv.num_free_blocks} free); raise the memory budget or lower max_model_len.")
+            f"request {request.request_id} needs more KV-cache blocks than the pool has "
+            f"({self.kv.num_free_blocks} free); raise the memory budget or lower max_model_len."
+          )
         break
       self.waiting.popleft()
       if swapped:

@@ -54,8 +54,9 @@ class EngineLoop:
     when ``max_pending`` prompts are unfinished, ValueError on a bad prompt (nothing admitted)."""
     with self._lock:
       if self._pending >= self.max_pending:
-        raise OverflowError(f"the server has {self._pending} unfinished requests (--max-pending "
-                            f"{self.max_pending}); retry later")
+        raise OverflowError(
+          f"the server has {self._pending} unfinished requests (--max-pending {self.max_pending}); retry later"
+        )
       self._pending += 1
     request_id = f"cmpl-{uuid.uuid4().hex[:16]}"
     queues = [asyncio.Queue() for _ in range(sampling.n)]
@@ -102,8 +103,10 @@ class EngineLoop:
           self.ttft.append(time.perf_counter() - t0)
         first = not state.output.token_ids
         if step.prompt_logprobs is not None and state.output.index == 0:
-          loop.call_soon_threadsafe(q.put_nowait, ("prompt_logprobs", _prompt_logprobs_json(
-              prompt_logprob_dicts(step.prompt_logprobs, self.llm.tokenizer))))
+          loop.call_soon_threadsafe(
+            q.put_nowait,
+            ("prompt_logprobs", _prompt_logprobs_json(prompt_logprob_dicts(step.prompt_logprobs, self.llm.tokenizer))),
+          )
         before = len(state.output.logprobs or ())
         text, ids = state.add(step)
         self.stats["generation_tokens"] += len(ids)
@@ -159,14 +162,14 @@ class _BadRequest(ValueError):
 
 
 def _error(status: int, message: str, kind: str, param: str | None = None):
-  return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                      status_code=status)
+  return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status_code=status)
 
 
 def _sampling(body: dict, *, chat: bool) -> SamplingParams:
   """OpenAI's request fields (and vLLM's extras: top_k, seed, stop_token_ids, prompt_logprobs) as
   SamplingParams.
   OpenAI's defaults: temperature 1, 16 tokens for completions, the model's room for chat."""
+
   def get(name, kind, default):
     value = body.get(name, default)
     if value is None:
@@ -189,11 +192,18 @@ def _sampling(body: dict, *, chat: bool) -> SamplingParams:
   if not isinstance(stop, list | tuple) or not all(isinstance(s, str) for s in stop):
     raise _BadRequest(f"'stop' must be a string or a list of strings, got {stop!r}", "stop")
   try:
-    return SamplingParams(max_tokens=max_tokens, temperature=get("temperature", float, 1.0),
-                          top_p=get("top_p", float, 1.0), top_k=get("top_k", int, 0), n=get("n", int, 1),
-                          seed=get("seed", int, None), stop=tuple(stop),
-                          stop_token_ids=tuple(get("stop_token_ids", list, [])), logprobs=logprobs,
-                          prompt_logprobs=get("prompt_logprobs", int, None))
+    return SamplingParams(
+      max_tokens=max_tokens,
+      temperature=get("temperature", float, 1.0),
+      top_p=get("top_p", float, 1.0),
+      top_k=get("top_k", int, 0),
+      n=get("n", int, 1),
+      seed=get("seed", int, None),
+      stop=tuple(stop),
+      stop_token_ids=tuple(get("stop_token_ids", list, [])),
+      logprobs=logprobs,
+      prompt_logprobs=get("prompt_logprobs", int, None),
+    )
   except ValueError as e:
     raise _BadRequest(str(e)) from None
 
@@ -215,25 +225,36 @@ def build_app(llm: LLM, *, model_name: str | None = None, max_pending: int = 256
   registry = CollectorRegistry()
   engine = llm.engine
   gauges = {
-      "num_requests_running": ("requests on the engine's rows", lambda: len(engine.scheduler.running)),
-      "num_requests_waiting": ("requests waiting for a row or blocks", lambda: len(engine.scheduler.waiting)),
-      "kv_cache_usage_perc": ("fraction of KV-cache blocks in use",
-                              lambda: 1 - engine.kv.num_free_blocks / max(engine.plan.num_blocks, 1)),
-      "prefix_cache_hit_rate": ("prompt tokens found in the prefix cache / prompt tokens",
-                                lambda: engine_loop.stats["cached_tokens"] / max(engine_loop.stats["prompt_tokens"], 1)),
-      "prompt_tokens_total": ("prompt tokens admitted", lambda: engine_loop.stats["prompt_tokens"]),
-      "generation_tokens_total": ("tokens generated", lambda: engine_loop.stats["generation_tokens"]),
-      "generation_tokens_per_second": ("tokens generated per second since start",
-                                       lambda: engine_loop.stats["generation_tokens"] / max(time.time() - started, 1e-9)),
-      "time_to_first_token_seconds_mean": ("mean seconds from admission to a sequence's first token",
-                                           lambda: sum(engine_loop.ttft) / max(len(engine_loop.ttft), 1)),
+    "num_requests_running": ("requests on the engine's rows", lambda: len(engine.scheduler.running)),
+    "num_requests_waiting": ("requests waiting for a row or blocks", lambda: len(engine.scheduler.waiting)),
+    "kv_cache_usage_perc": (
+      "fraction of KV-cache blocks in use",
+      lambda: 1 - engine.kv.num_free_blocks / max(engine.plan.num_blocks, 1),
+    ),
+    "prefix_cache_hit_rate": (
+      "prompt tokens found in the prefix cache / prompt tokens",
+      lambda: engine_loop.stats["cached_tokens"] / max(engine_loop.stats["prompt_tokens"], 1),
+    ),
+    "prompt_tokens_total": ("prompt tokens admitted", lambda: engine_loop.stats["prompt_tokens"]),
+    "generation_tokens_total": ("tokens generated", lambda: engine_loop.stats["generation_tokens"]),
+    "generation_tokens_per_second": (
+      "tokens generated per second since start",
+      lambda: engine_loop.stats["generation_tokens"] / max(time.time() - started, 1e-9),
+    ),
+    "time_to_first_token_seconds_mean": (
+      "mean seconds from admission to a sequence's first token",
+      lambda: sum(engine_loop.ttft) / max(len(engine_loop.ttft), 1),
+    ),
   }
   for metric, (doc, fn) in gauges.items():
     Gauge(f"jaxkv_{metric}", doc, registry=registry).set_function(fn)
 
   def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+      "prompt_tokens": prompt_tokens,
+      "completion_tokens": completion_tokens,
+      "total_tokens": prompt_tokens + completion_tokens,
+    }
 
   async def body_of(request: Request) -> dict:
     try:
@@ -260,8 +281,18 @@ def build_app(llm: LLM, *, model_name: str | None = None, max_pending: int = 256
 
   @app.get("/v1/models")
   async def models():
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": int(started), "owned_by": "jaxkv",
-                                        "max_model_len": engine.config.max_model_len}]}
+    return {
+      "object": "list",
+      "data": [
+        {
+          "id": name,
+          "object": "model",
+          "created": int(started),
+          "owned_by": "jaxkv",
+          "max_model_len": engine.config.max_model_len,
+        }
+      ],
+    }
 
   @app.get("/metrics")
   async def metrics():
@@ -294,6 +325,7 @@ def build_app(llm: LLM, *, model_name: str | None = None, max_pending: int = 256
         engine_loop.abort(rid, sampling.n)
 
     if stream:
+
       async def events():
         merged: asyncio.Queue = asyncio.Queue()
 
@@ -319,14 +351,24 @@ def build_app(llm: LLM, *, model_name: str | None = None, max_pending: int = 256
             elif ev[0] == "delta":
               completion_tokens += len(ev[2])
               delta = {"content": ev[1]} if chat else ev[1]
-              yield _sse(_chunk(response_id, created, name, i, delta, None, chat, _logprobs(ev, chat, llm, sampling.logprobs)))
+              yield _sse(
+                _chunk(response_id, created, name, i, delta, None, chat, _logprobs(ev, chat, llm, sampling.logprobs))
+              )
             else:
               open_ -= 1
               reason = "error" if ev[0] == "error" else ev[1]
               yield _sse(_chunk(response_id, created, name, i, {} if chat else "", reason, chat))
           if body.get("stream_options", {}).get("include_usage"):
-            yield _sse({"id": response_id, "object": obj + ".chunk" if chat else obj, "created": created,
-                        "model": name, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+            yield _sse(
+              {
+                "id": response_id,
+                "object": obj + ".chunk" if chat else obj,
+                "created": created,
+                "model": name,
+                "choices": [],
+                "usage": usage(prompt_tokens, completion_tokens),
+              }
+            )
           yield "data: [DONE]\n\n"
         finally:  # also when the client went away mid-stream
           for t in tasks:
@@ -360,11 +402,18 @@ def build_app(llm: LLM, *, model_name: str | None = None, max_pending: int = 256
             lps[i] += ev[3] or []
             continue
           reason = "error" if ev[0] == "error" else ev[1]
-          logprobs = (_logprobs(("delta", texts[i], token_ids[i], lps[i]), chat, llm, sampling.logprobs)
-                      if sampling.logprobs else None)
+          logprobs = (
+            _logprobs(("delta", texts[i], token_ids[i], lps[i]), chat, llm, sampling.logprobs)
+            if sampling.logprobs
+            else None
+          )
           if chat:
-            choices[i] = {"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": logprobs,
-                          "finish_reason": reason}
+            choices[i] = {
+              "index": i,
+              "message": {"role": "assistant", "content": texts[i]},
+              "logprobs": logprobs,
+              "finish_reason": reason,
+            }
           else:
             choices[i] = {"index": i, "text": texts[i], "logprobs": logprobs, "finish_reason": reason}
           if ev[0] == "error":
@@ -375,8 +424,14 @@ def build_app(llm: LLM, *, model_name: str | None = None, max_pending: int = 256
     except asyncio.CancelledError:
       abort_all()
       raise
-    return {"id": response_id, "object": obj, "created": created, "model": name, "choices": choices,
-            "usage": usage(prompt_tokens, sum(map(len, token_ids)))}
+    return {
+      "id": response_id,
+      "object": obj,
+      "created": created,
+      "model": name,
+      "choices": choices,
+      "usage": usage(prompt_tokens, sum(map(len, token_ids))),
+    }
 
   @app.post("/v1/completions")
   async def completions(request: Request):
@@ -429,40 +484,68 @@ def _logprobs(ev, chat: bool, llm: LLM, k: int):
   entries = []
   for t, cands in zip(ids, lps):
     lp = cands[t].logprob if t in cands else None
-    entries.append((text(t), lp, [(c.decoded_token or text(cid), c.logprob) for cid, c in cands.items() if c.rank <= k]))
+    entries.append(
+      (text(t), lp, [(c.decoded_token or text(cid), c.logprob) for cid, c in cands.items() if c.rank <= k])
+    )
   if chat:
-    return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()),
-                         "top_logprobs": [{"token": c, "logprob": v, "bytes": list(c.encode())} for c, v in top]}
-                        for s, lp, top in entries]}
-  return {"tokens": [s for s, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
-          "top_logprobs": [dict(top) for _, _, top in entries], "text_offset": None}
+    return {
+      "content": [
+        {
+          "token": s,
+          "logprob": lp,
+          "bytes": list(s.encode()),
+          "top_logprobs": [{"token": c, "logprob": v, "bytes": list(c.encode())} for c, v in top],
+        }
+        for s, lp, top in entries
+      ]
+    }
+  return {
+    "tokens": [s for s, _, _ in entries],
+    "token_logprobs": [lp for _, lp, _ in entries],
+    "top_logprobs": [dict(top) for _, _, top in entries],
+    "text_offset": None,
+  }
 
 
 def _prompt_logprobs_json(entries: list) -> list:
   """vLLM's ``prompt_logprobs`` field: None for the first prompt token, then per token
   ``{"<id>": {"logprob", "rank", "decoded_token"}}``."""
-  return [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
-                                  for t, lp in e.items()} for e in entries]
+  return [
+    None
+    if e is None
+    else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token} for t, lp in e.items()}
+    for e in entries
+  ]
 
 
 def _chunk(response_id, created, model, index, delta, finish_reason, chat, logprobs=None) -> dict:
   if chat:
     choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-    return {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [choice]}
-  return {"id": response_id, "object": "text_completion", "created": created, "model": model,
-          "choices": [{"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+    return {
+      "id": response_id,
+      "object": "chat.completion.chunk",
+      "created": created,
+      "model": model,
+      "choices": [choice],
+    }
+  return {
+    "id": response_id,
+    "object": "text_completion",
+    "created": created,
+    "model": model,
+    "choices": [{"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
+  }
 
 
 def _sse(obj: dict) -> str:
   return f"data: {json.dumps(obj)}\n\n"
 
 
-def serve(llm: LLM, *, host: str = "127.0.0.1", port: int = 8000, max_pending: int = 256,
-          model_name: str | None = None) -> None:
+def serve(
+  llm: LLM, *, host: str = "127.0.0.1", port: int = 8000, max_pending: int = 256, model_name: str | None = None
+) -> None:
   """Serves until interrupted (uvicorn)."""
   import uvicorn
 
   app = build_app(llm, model_name=model_name, max_pending=max_pending)
   uvicorn.run(app, host=host, port=port, log_level="info")
-

@@ -56,23 +56,37 @@ class LLM:
     implementation: the attention kernels (``"auto"``, ``"pallas"``, ``"xla"``).
   """
 
-  def __init__(self, model: str = "glm-5.3-flash-tiny", *, tokenizer: str | None = None, dtype: str = "auto",
-               seed: int = 0, max_model_len: int | None = None, max_num_seqs: int = 8,
-               max_num_batched_tokens: int = 256, enable_prefix_caching: bool = False,
-               kv_cache_memory_bytes: int = 64 << 20, implementation: str = "auto", **cache_options):
+  def __init__(
+    self,
+    model: str = "glm-5.3-flash-tiny",
+    *,
+    tokenizer: str | None = None,
+    dtype: str = "auto",
+    seed: int = 0,
+    max_model_len: int | None = None,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 256,
+    enable_prefix_caching: bool = False,
+    kv_cache_memory_bytes: int = 64 << 20,
+    implementation: str = "auto",
+    **cache_options,
+  ):
     family = get_model_family()
     from_checkpoint = os.path.isdir(model)
     if not from_checkpoint and model not in family.builtin_config_names:
-      raise ValueError(f"model {model!r} is neither a checkpoint directory nor a built-in config "
-                       f"({', '.join(family.builtin_config_names)}).")
+      raise ValueError(
+        f"model {model!r} is neither a checkpoint directory nor a built-in config "
+        f"({', '.join(family.builtin_config_names)})."
+      )
     config = family.load_config(model) if from_checkpoint else family.builtin_config(model)
     if dtype not in ("auto", "bfloat16", "float32"):
       raise ValueError(f"dtype must be 'auto', 'bfloat16' or 'float32', got {dtype!r}.")
     self.dtype = resolve_dtype(dtype, config, from_checkpoint)
     positions = config.max_position_embeddings
     if max_model_len is not None and not (is_int(max_model_len) and 1 <= max_model_len <= positions):
-      raise ValueError(f"max_model_len must be an integer in [1, {positions}] (the model's positions), got "
-                       f"{max_model_len!r}.")
+      raise ValueError(
+        f"max_model_len must be an integer in [1, {positions}] (the model's positions), got {max_model_len!r}."
+      )
     self.model, self.model_config = model, config
     tok_dir = tokenizer or (model if from_checkpoint else builtin_tokenizer_dir(model))
     has_tok = tok_dir is not None and os.path.isfile(os.path.join(tok_dir, "tokenizer.json"))
@@ -80,20 +94,24 @@ class LLM:
       raise ValueError(f"tokenizer {tokenizer!r} has no tokenizer.json.")
     self.tokenizer = Tokenizer(tok_dir) if has_tok else None
     if self.tokenizer is not None and self.tokenizer.vocab_size > config.vocab_size:
-      raise ValueError(f"the tokenizer's {self.tokenizer.vocab_size} entries exceed the model's vocabulary of "
-                       f"{config.vocab_size}.")
-    cache = CacheConfig(memory_bytes=kv_cache_memory_bytes, max_model_len=max_model_len or positions,
-                        **cache_options)
-    engine_config = EngineConfig(cache=cache, max_num_reqs=max_num_seqs,
-                                 max_num_batched_tokens=max_num_batched_tokens,
-                                 enable_prefix_caching=enable_prefix_caching)
+      raise ValueError(
+        f"the tokenizer's {self.tokenizer.vocab_size} entries exceed the model's vocabulary of {config.vocab_size}."
+      )
+    cache = CacheConfig(memory_bytes=kv_cache_memory_bytes, max_model_len=max_model_len or positions, **cache_options)
+    engine_config = EngineConfig(
+      cache=cache,
+      max_num_reqs=max_num_seqs,
+      max_num_batched_tokens=max_num_batched_tokens,
+      enable_prefix_caching=enable_prefix_caching,
+    )
     if from_checkpoint:
       runner = family.from_pretrained(model, dtype=self.dtype, implementation=implementation)
     else:
       runner = family.from_random(config, dtype=self.dtype, seed=seed, implementation=implementation)
     self.engine = LLMEngine(runner, engine_config)
-    self.eos_token_ids = tuple(dict.fromkeys(tuple(config.eos_token_id) +
-                                             (self.tokenizer.eos_token_ids if self.tokenizer else ())))
+    self.eos_token_ids = tuple(
+      dict.fromkeys(tuple(config.eos_token_id) + (self.tokenizer.eos_token_ids if self.tokenizer else ()))
+    )
     self._ids = itertools.count()
 
   @classmethod
@@ -103,8 +121,7 @@ class LLM:
     llm.model, llm.model_config, llm.tokenizer, llm.engine = model, None, tokenizer, engine
     llm.dtype = engine.runner.dtype
     config_eos = getattr(getattr(engine.runner, "config", None), "eos_token_id", ())
-    llm.eos_token_ids = tuple(dict.fromkeys(tuple(config_eos) +
-                                            (tokenizer.eos_token_ids if tokenizer else ())))
+    llm.eos_token_ids = tuple(dict.fromkeys(tuple(config_eos) + (tokenizer.eos_token_ids if tokenizer else ())))
     llm._ids = itertools.count()
     return llm
 
@@ -119,17 +136,21 @@ class LLM:
       prompt = prompt.get("prompt")
     if isinstance(prompt, str):
       if self.tokenizer is None:
-        raise ValueError(f"text prompts need a tokenizer; {self.model} has no tokenizer.json: pass token ids, "
-                         f"or LLM(tokenizer=DIR).")
+        raise ValueError(
+          f"text prompts need a tokenizer; {self.model} has no tokenizer.json: pass token ids, or LLM(tokenizer=DIR)."
+        )
       return prompt, self.tokenizer.encode(prompt)
     if isinstance(prompt, Sequence) and all(is_int(t) for t in prompt):
       return None, [int(t) for t in prompt]
-    raise ValueError(f"a prompt is a string, a list of token ids or a dict with 'prompt' or 'prompt_token_ids', "
-                     f"got {type(prompt).__name__} {prompt!r:.80}.")
+    raise ValueError(
+      f"a prompt is a string, a list of token ids or a dict with 'prompt' or 'prompt_token_ids', "
+      f"got {type(prompt).__name__} {prompt!r:.80}."
+    )
 
   def _prompts(self, prompts) -> list[tuple[str | None, list[int]]]:
-    single = isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts and
-                                                  all(is_int(t) for t in prompts))
+    single = isinstance(prompts, (str, dict)) or (
+      isinstance(prompts, Sequence) and prompts and all(is_int(t) for t in prompts)
+    )
     return [self._prompt(p) for p in ([prompts] if single else list(prompts))]
 
   # -- generation ------------------------------------------------------------------------------
@@ -148,8 +169,9 @@ class LLM:
     output = RequestOutput(request_id, text, ids, [s.output for s in states.values()])
     return output, states
 
-  def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-               use_tqdm: bool = False) -> list[RequestOutput]:
+  def generate(
+    self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = False
+  ) -> list[RequestOutput]:
     """Runs prompts to completion; one ``RequestOutput`` per prompt, in order."""
     parsed = self._prompts(prompts)
     sampling_params = SamplingParams() if sampling_params is None else sampling_params

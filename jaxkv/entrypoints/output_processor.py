@@ -29,9 +29,11 @@ def prompt_logprob_dicts(entries: list[PromptLogprob], tokenizer: Tokenizer | No
   return [None] + [_logprob_dict(e.token_id, e.logprob, e.rank, e.top, tokenizer) for e in entries]
 
 
-def _logprob_dict(token_id: int, logprob: float, rank: int, top: list[tuple[int, float]],
-                  tokenizer: Tokenizer | None) -> dict[int, Logprob]:
+def _logprob_dict(
+  token_id: int, logprob: float, rank: int, top: list[tuple[int, float]], tokenizer: Tokenizer | None
+) -> dict[int, Logprob]:
   """vLLM's order: the token itself (with its rank, in the top candidates or not), then the top."""
+
   def text(t):
     return None if tokenizer is None else tokenizer.decode([t], skip_special_tokens=False)
 
@@ -86,7 +88,7 @@ class SequenceState:
     # While running, hold back what could be the start of a stop string.
     ready = len(self._text) if self.finished else max(len(self._text) - self._hold, self._sent)
     out.text = self._text[:ready]
-    delta = out.text[self._sent:]
+    delta = out.text[self._sent :]
     self._sent = ready
     return delta, new_ids
 

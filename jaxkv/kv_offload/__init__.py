@@ -7,5 +7,13 @@ from jaxkv.kv_offload.host_tier import HostTier
 from jaxkv.kv_offload.swap import SwapSpace
 from jaxkv.kv_offload.tier import OffloadKey, OffloadTier
 
-__all__ = ["KVConnectorBase", "OffloadingConnector", "offload_fingerprint", "DiskTier", "HostTier", "SwapSpace",
-           "OffloadKey", "OffloadTier"]
+__all__ = [
+  "KVConnectorBase",
+  "OffloadingConnector",
+  "offload_fingerprint",
+  "DiskTier",
+  "HostTier",
+  "SwapSpace",
+  "OffloadKey",
+  "OffloadTier",
+]

@@ -74,8 +74,9 @@ def _weight_digests(leaves):
     words = words.reshape(-1).astype(jnp.uint32)
     i = jnp.arange(words.shape[0], dtype=jnp.uint32)
     mixed = (words ^ (words >> 15)) * jnp.uint32(0x2C1B3C6D) + i * jnp.uint32(0x9E3779B1)
-    out.append(jnp.stack([jnp.sum(words * (2 * i + 1), dtype=jnp.uint32),
-                          jnp.sum(mixed ^ (mixed >> 13), dtype=jnp.uint32)]))
+    out.append(
+      jnp.stack([jnp.sum(words * (2 * i + 1), dtype=jnp.uint32), jnp.sum(mixed ^ (mixed >> 13), dtype=jnp.uint32)])
+    )
   return jnp.stack(out) if out else jnp.zeros((0, 2), jnp.uint32)
 
 
@@ -85,9 +86,11 @@ def offload_fingerprint(plan: KVCacheConfig, params) -> str:
   in one pass: ``_weight_digests``), as a SHA-256 hex digest. Blocks saved under another
   fingerprint are never read: two models that differ in one weight element do not share blocks."""
   layout = {
-      "layout": plan.layout, "block_size": plan.block_size, "bytes_per_block": plan.bytes_per_block,
-      "groups": [[list(g.layer_names), [repr(s) for s in g.layer_specs]] for g in plan.kv_cache_groups],
-      "pages": [[v.layer_name, v.tensor, v.tensor_offset_bytes, v.page_bytes, v.block_stride_bytes] for v in plan.views],
+    "layout": plan.layout,
+    "block_size": plan.block_size,
+    "bytes_per_block": plan.bytes_per_block,
+    "groups": [[list(g.layer_names), [repr(s) for s in g.layer_specs]] for g in plan.kv_cache_groups],
+    "pages": [[v.layer_name, v.tensor, v.tensor_offset_bytes, v.page_bytes, v.block_stride_bytes] for v in plan.views],
   }
   h = hashlib.sha256(json.dumps(layout, sort_keys=True).encode())
   leaves = jax.tree.leaves(params)
@@ -236,7 +239,7 @@ class OffloadingConnector(KVConnectorBase):
         by_group.setdefault(g, []).append((block_hash, block_id))
     for g, items in by_group.items():
       ids = np.full((next_power_of_2(len(items)),), -1, np.int32)
-      ids[:len(items)] = [b for _, b in items]
+      ids[: len(items)] = [b for _, b in items]
       rows = gather_blocks(caches, ids, regions=self.regions[g])
       self.tier.put([(h, g) for h, _ in items], pinned_host_put(rows))  # rows past the keys: padding
       self.num_saved_blocks += len(items)

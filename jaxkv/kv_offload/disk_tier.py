@@ -50,8 +50,13 @@ class DiskTier(OffloadTier):
 
   name = "disk"
 
-  def __init__(self, directory: str | os.PathLike, capacity_bytes: int, fingerprint: str,
-               payload_bytes: dict[int, int] | None = None):
+  def __init__(
+    self,
+    directory: str | os.PathLike,
+    capacity_bytes: int,
+    fingerprint: str,
+    payload_bytes: dict[int, int] | None = None,
+  ):
     if capacity_bytes <= 0:
       raise ValueError(f"the disk tier's capacity must be positive, got {capacity_bytes} bytes.")
     if not fingerprint or not all(c in "0123456789abcdef" for c in fingerprint):
@@ -63,15 +68,23 @@ class DiskTier(OffloadTier):
     except OSError as err:
       raise ValueError(f"cannot use {directory!r} as the KV offload directory: {err}.") from None
     manifest = self.root / "manifest.json"
-    want = {"format": _FORMAT, "fingerprint": fingerprint, "files": "<block hash hex>-g<group id>.blk",
-            "header": "8s magic JAXKVBLK, u64 payload bytes, 32-byte sha256 of the payload (little-endian)"}
+    want = {
+      "format": _FORMAT,
+      "fingerprint": fingerprint,
+      "files": "<block hash hex>-g<group id>.blk",
+      "header": "8s magic JAXKVBLK, u64 payload bytes, 32-byte sha256 of the payload (little-endian)",
+    }
     self.payload_bytes = dict(payload_bytes or {})
     self.read_only = not os.access(self.root, os.W_OK | os.X_OK)
     if self.read_only:
       _log.warning("KV offload directory %s is not writable: its blocks are read, no block is saved", self.root)
     elif (free := shutil.disk_usage(self.root).free) < capacity_bytes:
-      _log.warning("KV offload directory %s has %.2f GiB free for a %.2f GiB tier: saves past it are skipped",
-                   self.root, free / 2**30, capacity_bytes / 2**30)
+      _log.warning(
+        "KV offload directory %s has %.2f GiB free for a %.2f GiB tier: saves past it are skipped",
+        self.root,
+        free / 2**30,
+        capacity_bytes / 2**30,
+      )
     elif not manifest.exists():
       tmp = self._tmp_path(manifest)
       tmp.write_text(json.dumps(want, indent=1))
@@ -140,7 +153,7 @@ class DiskTier(OffloadTier):
       self._forget(key)
       return None
     magic, size, digest = _HEADER.unpack_from(raw)
-    payload = raw[_HEADER.size:]
+    payload = raw[_HEADER.size :]
     want = self.payload_bytes.get(key[1], size)
     # The size against the layout before the checksum is trusted: a self-consistent file of
     # another layout's block is no block of this one.

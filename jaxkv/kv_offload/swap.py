@@ -61,7 +61,7 @@ class SwapSpace:
     """Gathers the blocks of requests preempted since the last call and starts their copy to host."""
     for request_id, g, ids in self._out:
       padded = np.full((next_power_of_2(len(ids)),), -1, np.int32)
-      padded[:len(ids)] = ids
+      padded[: len(ids)] = ids
       self._swapped[request_id][g] = (pinned_host_put(gather_blocks(caches, padded, regions=self.regions[g])), len(ids))
     self._out = []
 

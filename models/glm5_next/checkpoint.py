@@ -81,9 +81,20 @@ def _checkpoint_files(model_path: str | pathlib.Path) -> list[pathlib.Path]:
   return paths
 
 
-_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
-                       "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+_SAFETENSORS_DTYPES = {
+  "F64": "float64",
+  "F32": "float32",
+  "F16": "float16",
+  "BF16": "bfloat16",
+  "F8_E4M3": "float8_e4m3fn",
+  "F8_E5M2": "float8_e5m2",
+  "I64": "int64",
+  "I32": "int32",
+  "I16": "int16",
+  "I8": "int8",
+  "U8": "uint8",
+  "BOOL": "bool",
+}
 
 
 class _Tensors:
@@ -125,12 +136,13 @@ def _strip(name: str) -> str | None:
     return name
   for p in _PREFIXES:
     if name.startswith(p):
-      return name[len(p):]
+      return name[len(p) :]
   return name
 
 
-def load_checkpoint(model_path: str | pathlib.Path, *, dtype=None, check_weights: bool = False, mesh=None,
-                    expert_parallel: bool = False) -> tuple[Glm5NextConfig, Glm5NextForCausalLM]:
+def load_checkpoint(
+  model_path: str | pathlib.Path, *, dtype=None, check_weights: bool = False, mesh=None, expert_parallel: bool = False
+) -> tuple[Glm5NextConfig, Glm5NextForCausalLM]:
   """Config and model of an HF checkpoint directory.
 
   Args:
@@ -163,8 +175,12 @@ def load_checkpoint(model_path: str | pathlib.Path, *, dtype=None, check_weights
 
     config = dataclasses.replace(config, num_nextn_predict_layers=0)
   if mesh is not None:
-    check_divisible(config, tensor_parallel_size=mesh.shape[TENSOR], data_parallel_size=mesh.shape[DATA],
-                    expert_parallel=expert_parallel)
+    check_divisible(
+      config,
+      tensor_parallel_size=mesh.shape[TENSOR],
+      data_parallel_size=mesh.shape[DATA],
+      expert_parallel=expert_parallel,
+    )
   abstract = nnx.eval_shape(lambda: Glm5NextForCausalLM(config, dtype=dtype or jnp.float32, rngs=None))
   graphdef, state = nnx.split(abstract)
   used: set[str] = set()
@@ -227,13 +243,17 @@ def load_checkpoint(model_path: str | pathlib.Path, *, dtype=None, check_weights
   model = nnx.merge(graphdef, nnx.from_flat_state(leaves))
   if not check_weights:  # one pass on the device: say so once, rather than NaN log-probs later
     flat = nnx.to_flat_state(nnx.state(model))
-    finite = np.asarray(jax.jit(lambda xs: jnp.stack([jnp.isfinite(x).all() for x in xs]))(
-        [v.get_value() for _, v in flat]))
+    finite = np.asarray(
+      jax.jit(lambda xs: jnp.stack([jnp.isfinite(x).all() for x in xs]))([v.get_value() for _, v in flat])
+    )
     bad = [checkpoint_name(path, config.num_hidden_layers) for (path, _), ok in zip(flat, finite) if not ok]
     if bad:
-      warnings.warn(f"checkpoint {model_path} has NaN or infinite values in {len(bad)} tensors ({bad[:10]}): "
-                    "outputs will be NaN; --check-weights (check_weights=True) refuses such a checkpoint.",
-                    RuntimeWarning, stacklevel=2)
+      warnings.warn(
+        f"checkpoint {model_path} has NaN or infinite values in {len(bad)} tensors ({bad[:10]}): "
+        "outputs will be NaN; --check-weights (check_weights=True) refuses such a checkpoint.",
+        RuntimeWarning,
+        stacklevel=2,
+      )
   return config, model
 
 
@@ -249,7 +269,9 @@ def save_checkpoint(model: Glm5NextForCausalLM, model_path: str | pathlib.Path, 
   for path, var in nnx.to_flat_state(nnx.state(model)):
     template = checkpoint_name(path, num_layers)
     value = np.asarray(jax.device_get(var.get_value()))
-    names = {template.format(e=e): value[e].T for e in range(value.shape[0])} if "{e}" in template else {template: value}
+    names = (
+      {template.format(e=e): value[e].T for e in range(value.shape[0])} if "{e}" in template else {template: value}
+    )
     for n, v in names.items():
       out[n if n == "lm_head.weight" else "model.language_model." + n] = np.ascontiguousarray(v)
   save_file(out, str(root / "model.safetensors"))

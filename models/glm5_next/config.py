@@ -72,8 +72,11 @@ class Glm5NextConfig:
     for name in ("layer_types", "mlp_layer_types", "indexer_types"):
       if len(getattr(self, name)) != n:
         raise ValueError(f"{name} has {len(getattr(self, name))} entries for {n} layers.")
-    for name, allowed in (("layer_types", {"linear_attention", "indexed_attention"}),
-                          ("mlp_layer_types", {"dense", "sparse"}), ("indexer_types", {"full", "shared"})):
+    for name, allowed in (
+      ("layer_types", {"linear_attention", "indexed_attention"}),
+      ("mlp_layer_types", {"dense", "sparse"}),
+      ("indexer_types", {"full", "shared"}),
+    ):
       bad = sorted(set(getattr(self, name)) - allowed)
       if bad:
         raise ValueError(f"unknown {name} {bad}; expected one of {sorted(allowed)}.")
@@ -90,23 +93,28 @@ class Glm5NextConfig:
       if f.type == "int":
         low = counts.get(f.name, 1)
         if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= limits.get(f.name, 1 << 24):
-          raise ValueError(f"config {f.name} must be an integer in [{low}, {limits.get(f.name, 1 << 24)}], "
-                           f"got {value!r}.")
+          raise ValueError(
+            f"config {f.name} must be an integer in [{low}, {limits.get(f.name, 1 << 24)}], got {value!r}."
+          )
       elif f.type == "float":
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
           raise ValueError(f"config {f.name} must be a finite number, got {value!r}.")
-    if self.pad_token_id is not None and (not isinstance(self.pad_token_id, int) or isinstance(self.pad_token_id, bool)
-                                          or self.pad_token_id < 0):
+    if self.pad_token_id is not None and (
+      not isinstance(self.pad_token_id, int) or isinstance(self.pad_token_id, bool) or self.pad_token_id < 0
+    ):
       raise ValueError(f"config pad_token_id must be null or an integer >= 0, got {self.pad_token_id!r}.")
     bound = self.linear_gate_lower_bound
-    if bound is not None and (not isinstance(bound, (int, float)) or isinstance(bound, bool) or not math.isfinite(bound)):
+    if bound is not None and (
+      not isinstance(bound, (int, float)) or isinstance(bound, bool) or not math.isfinite(bound)
+    ):
       raise ValueError(f"config linear_lower_bound must be null or a finite number, got {bound!r}.")
     for name in ("rms_norm_eps", "hc_eps"):
       if getattr(self, name) <= 0:
         raise ValueError(f"config {name} must be > 0, got {getattr(self, name)}.")
     if self.num_experts_per_tok > self.n_routed_experts:
-      raise ValueError(f"config num_experts_per_tok {self.num_experts_per_tok} exceeds n_routed_experts "
-                       f"{self.n_routed_experts}.")
+      raise ValueError(
+        f"config num_experts_per_tok {self.num_experts_per_tok} exceeds n_routed_experts {self.n_routed_experts}."
+      )
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in self.eos_token_id):
       raise ValueError(f"config eos_token_id must be token ids in [0, {self.vocab_size}), got {self.eos_token_id!r}.")
 
@@ -144,44 +152,68 @@ class Glm5NextConfig:
     get = lambda key: cfg[key] if cfg.get(key) is not None else HF_DEFAULTS[key]  # noqa: E731
     eos = cfg.get("eos_token_id")
     eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-    ints = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "n_routed_experts",
-            "num_experts_per_tok", "n_shared_experts", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
-            "qk_nope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim", "index_topk", "index_kpool", "hc_mult",
-            "hc_sinkhorn_iters", "num_nextn_predict_layers", "max_position_embeddings")
+    ints = (
+      "vocab_size",
+      "hidden_size",
+      "intermediate_size",
+      "moe_intermediate_size",
+      "n_routed_experts",
+      "num_experts_per_tok",
+      "n_shared_experts",
+      "num_attention_heads",
+      "q_lora_rank",
+      "kv_lora_rank",
+      "qk_nope_head_dim",
+      "v_head_dim",
+      "index_n_heads",
+      "index_head_dim",
+      "index_topk",
+      "index_kpool",
+      "hc_mult",
+      "hc_sinkhorn_iters",
+      "num_nextn_predict_layers",
+      "max_position_embeddings",
+    )
     floats = ("routed_scaling_factor", "swiglu_limit", "hc_eps", "rms_norm_eps")
     bools = ("norm_topk_prob", "index_share_for_mtp_iteration", "tie_word_embeddings")
     values = {k: get(k) for k in ints}
     if cfg.get("num_local_experts") is not None:  # HF's attribute_map: it sets n_routed_experts
       values["n_routed_experts"] = cfg["num_local_experts"]
-    layer_types = _names(cfg, "layer_types",
-                         ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(n)])
+    layer_types = _names(
+      cfg, "layer_types", ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(n)]
+    )
     return cls(
-        num_hidden_layers=n,
-        layer_types=tuple(_ATTN_ALIASES.get(t, t) for t in layer_types),
-        mlp_layer_types=tuple(_names(cfg, "mlp_layer_types", ["dense"] * min(3, n) + ["sparse"] * (n - 3))),
-        indexer_types=tuple(_indexer_types(cfg, n)),
-        **_linear_attention(cfg),
-        eos_token_id=eos,
-        dtype=_CHECKPOINT_DTYPES[dtype],
-        pad_token_id=cfg.get("pad_token_id", HF_DEFAULTS["pad_token_id"]),
-        **values,
-        **{k: _number(k, get(k)) for k in floats},
-        **{k: _flag(k, get(k)) for k in bools},
+      num_hidden_layers=n,
+      layer_types=tuple(_ATTN_ALIASES.get(t, t) for t in layer_types),
+      mlp_layer_types=tuple(_names(cfg, "mlp_layer_types", ["dense"] * min(3, n) + ["sparse"] * (n - 3))),
+      indexer_types=tuple(_indexer_types(cfg, n)),
+      **_linear_attention(cfg),
+      eos_token_id=eos,
+      dtype=_CHECKPOINT_DTYPES[dtype],
+      pad_token_id=cfg.get("pad_token_id", HF_DEFAULTS["pad_token_id"]),
+      **values,
+      **{k: _number(k, get(k)) for k in floats},
+      **{k: _flag(k, get(k)) for k in bools},
     )
 
 
 def _linear_attention(cfg: dict) -> dict:
   """The KDA fields: the flat ``linear_*`` keys (HF's defaults where absent; a null lower bound is
   no lower bound), overridden key by key by ``linear_attn_config`` when it is given."""
-  flat = {k: cfg.get(k, HF_DEFAULTS[k]) for k in ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim",
-                                                   "linear_lower_bound")}
+  flat = {
+    k: cfg.get(k, HF_DEFAULTS[k])
+    for k in ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim", "linear_lower_bound")
+  }
   lin = cfg.get("linear_attn_config")
   if lin is not None:
     if not isinstance(lin, dict):
       raise ValueError(f"config linear_attn_config must be a JSON object, got {lin!r}.")
-    for key, flat_key in (("num_heads", "linear_num_heads"), ("head_dim", "linear_head_dim"),
-                          ("short_conv_kernel_size", "linear_conv_kernel_dim"),
-                          ("gate_lower_bound", "linear_lower_bound")):
+    for key, flat_key in (
+      ("num_heads", "linear_num_heads"),
+      ("head_dim", "linear_head_dim"),
+      ("short_conv_kernel_size", "linear_conv_kernel_dim"),
+      ("gate_lower_bound", "linear_lower_bound"),
+    ):
       flat[flat_key] = lin.get(key, flat[flat_key])
     if lin.get("safe_gate", True) and flat["linear_lower_bound"] is None:
       flat["linear_lower_bound"] = -5.0
@@ -233,16 +265,38 @@ def _flag(key: str, value) -> bool:
 
 # HF ``Glm5NextConfig``'s class defaults: what an absent key means in a config.json.
 HF_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 154880, "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 2048,
-    "n_routed_experts": 288, "num_experts_per_tok": 8, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
-    "norm_topk_prob": True, "swiglu_limit": 10.0, "num_attention_heads": 64, "q_lora_rank": 1536,
-    "kv_lora_rank": 512, "qk_nope_head_dim": 256, "v_head_dim": 256, "index_n_heads": 32, "index_head_dim": 128,
-    "index_topk": 2048,
-    "index_kpool": 16,  # HF's class default; the released model sets 4
-    "linear_num_heads": 64, "linear_head_dim": 128, "linear_conv_kernel_dim": 4, "linear_lower_bound": -5.0,
-    "hc_mult": 4, "hc_eps": 1e-6, "hc_sinkhorn_iters": 20, "rms_norm_eps": 1e-5, "num_nextn_predict_layers": 0,
-    "index_share_for_mtp_iteration": True, "max_position_embeddings": 1048576, "pad_token_id": 154820,
-    "tie_word_embeddings": False,
+  "vocab_size": 154880,
+  "hidden_size": 4096,
+  "intermediate_size": 12288,
+  "moe_intermediate_size": 2048,
+  "n_routed_experts": 288,
+  "num_experts_per_tok": 8,
+  "n_shared_experts": 1,
+  "routed_scaling_factor": 2.5,
+  "norm_topk_prob": True,
+  "swiglu_limit": 10.0,
+  "num_attention_heads": 64,
+  "q_lora_rank": 1536,
+  "kv_lora_rank": 512,
+  "qk_nope_head_dim": 256,
+  "v_head_dim": 256,
+  "index_n_heads": 32,
+  "index_head_dim": 128,
+  "index_topk": 2048,
+  "index_kpool": 16,  # HF's class default; the released model sets 4
+  "linear_num_heads": 64,
+  "linear_head_dim": 128,
+  "linear_conv_kernel_dim": 4,
+  "linear_lower_bound": -5.0,
+  "hc_mult": 4,
+  "hc_eps": 1e-6,
+  "hc_sinkhorn_iters": 20,
+  "rms_norm_eps": 1e-5,
+  "num_nextn_predict_layers": 0,
+  "index_share_for_mtp_iteration": True,
+  "max_position_embeddings": 1048576,
+  "pad_token_id": 154820,
+  "tie_word_embeddings": False,
 }
 
 
@@ -250,30 +304,71 @@ def _released() -> dict:
   """The released text tower: HF's defaults, with its kpool, MTP layer and eos ids."""
   n = 45
   return {
-      **HF_DEFAULTS, "model_type": "glm5_next_text", "num_hidden_layers": n,
-      "layer_types": ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(n)],
-      "mlp_layer_types": ["dense"] * 3 + ["sparse"] * (n - 3), "indexer_types": ["full"] * n,
-      "num_key_value_heads": 64, "qk_rope_head_dim": 0, "n_group": 1, "topk_group": 1, "hidden_act": "silu",
-      "index_kpool": 4, "num_nextn_predict_layers": 1, "eos_token_id": [154820, 154827, 154829], "dtype": "bfloat16",
+    **HF_DEFAULTS,
+    "model_type": "glm5_next_text",
+    "num_hidden_layers": n,
+    "layer_types": ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(n)],
+    "mlp_layer_types": ["dense"] * 3 + ["sparse"] * (n - 3),
+    "indexer_types": ["full"] * n,
+    "num_key_value_heads": 64,
+    "qk_rope_head_dim": 0,
+    "n_group": 1,
+    "topk_group": 1,
+    "hidden_act": "silu",
+    "index_kpool": 4,
+    "num_nextn_predict_layers": 1,
+    "eos_token_id": [154820, 154827, 154829],
+    "dtype": "bfloat16",
   }
 
 
 def _tiny() -> dict:
   return {
-      "model_type": "glm5_next_text", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 6,
-      "pad_token_id": 0,
-      "layer_types": ["linear_attention", "linear_attention", "indexed_attention",
-                      "linear_attention", "indexed_attention", "linear_attention"],
-      "mlp_layer_types": ["dense"] + ["sparse"] * 5, "indexer_types": ["full"] * 6,
-      "intermediate_size": 128, "moe_intermediate_size": 32, "n_routed_experts": 8,
-      "num_experts_per_tok": 2, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
-      "norm_topk_prob": True, "swiglu_limit": 10.0, "num_attention_heads": 4, "num_key_value_heads": 4,
-      "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 0, "v_head_dim": 16,
-      "index_n_heads": 4, "n_group": 1, "topk_group": 1, "hidden_act": "silu",
-      "index_head_dim": 16, "index_topk": 8, "index_kpool": 4,
-      "linear_attn_config": {"num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0},
-      "hc_mult": 4, "hc_eps": 1e-6, "hc_sinkhorn_iters": 20, "rms_norm_eps": 1e-5,
-      "num_nextn_predict_layers": 1, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+    "model_type": "glm5_next_text",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "num_hidden_layers": 6,
+    "pad_token_id": 0,
+    "layer_types": [
+      "linear_attention",
+      "linear_attention",
+      "indexed_attention",
+      "linear_attention",
+      "indexed_attention",
+      "linear_attention",
+    ],
+    "mlp_layer_types": ["dense"] + ["sparse"] * 5,
+    "indexer_types": ["full"] * 6,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "swiglu_limit": 10.0,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 0,
+    "v_head_dim": 16,
+    "index_n_heads": 4,
+    "n_group": 1,
+    "topk_group": 1,
+    "hidden_act": "silu",
+    "index_head_dim": 16,
+    "index_topk": 8,
+    "index_kpool": 4,
+    "linear_attn_config": {"num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0},
+    "hc_mult": 4,
+    "hc_eps": 1e-6,
+    "hc_sinkhorn_iters": 20,
+    "rms_norm_eps": 1e-5,
+    "num_nextn_predict_layers": 1,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
   }
 
 
@@ -282,16 +377,29 @@ def _mini() -> dict:
   the MLA latent, fewer and narrower layers (8: KDA, KDA, KDA, DSA twice), 16 experts."""
   n = 8
   cfg = _released()
-  cfg.update({
-      "vocab_size": 32000, "hidden_size": 1024, "num_hidden_layers": n,
+  cfg.update(
+    {
+      "vocab_size": 32000,
+      "hidden_size": 1024,
+      "num_hidden_layers": n,
       "layer_types": ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(n)],
-      "mlp_layer_types": ["dense"] + ["sparse"] * (n - 1), "indexer_types": ["full"] * n,
-      "intermediate_size": 2048, "moe_intermediate_size": 512, "n_routed_experts": 16, "num_experts_per_tok": 4,
-      "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": 512, "qk_nope_head_dim": 128,
-      "v_head_dim": 128, "linear_attn_config": {"num_heads": 8, "head_dim": 128, "short_conv_kernel_size": 4,
-                                                "gate_lower_bound": -5.0},
-      "max_position_embeddings": 131072, "pad_token_id": 0, "eos_token_id": [1],
-  })
+      "mlp_layer_types": ["dense"] + ["sparse"] * (n - 1),
+      "indexer_types": ["full"] * n,
+      "intermediate_size": 2048,
+      "moe_intermediate_size": 512,
+      "n_routed_experts": 16,
+      "num_experts_per_tok": 4,
+      "num_attention_heads": 16,
+      "num_key_value_heads": 16,
+      "q_lora_rank": 512,
+      "qk_nope_head_dim": 128,
+      "v_head_dim": 128,
+      "linear_attn_config": {"num_heads": 8, "head_dim": 128, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0},
+      "max_position_embeddings": 131072,
+      "pad_token_id": 0,
+      "eos_token_id": [1],
+    }
+  )
   return cfg
 
 
@@ -300,15 +408,24 @@ def _slice4() -> dict:
   dimensions, 4 layers (KDA, KDA, KDA, DSA; MLPs dense, MoE, dense, MoE; 16.7 B parameters), kpool 4,
   no MTP layer. The same work for ``jaxkv bench`` and the peer."""
   return {
-      **HF_DEFAULTS, "model_type": "glm5_next_text", "num_hidden_layers": 4,
-      "layer_types": ["linear_attention"] * 3 + ["indexed_attention"],
-      "mlp_layer_types": ["dense", "sparse", "dense", "sparse"], "indexer_types": ["full"] * 4,
-      "index_kpool": 4, "pad_token_id": 0, "dtype": "bfloat16",
+    **HF_DEFAULTS,
+    "model_type": "glm5_next_text",
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention"] * 3 + ["indexed_attention"],
+    "mlp_layer_types": ["dense", "sparse", "dense", "sparse"],
+    "indexer_types": ["full"] * 4,
+    "index_kpool": 4,
+    "pad_token_id": 0,
+    "dtype": "bfloat16",
   }
 
 
-BUILTIN_CONFIGS = {"glm-5.3-flash": _released, "glm-5.3-flash-tiny": _tiny, "glm-5.3-flash-mini": _mini,
-                   "glm-5.3-flash-slice4": _slice4}
+BUILTIN_CONFIGS = {
+  "glm-5.3-flash": _released,
+  "glm-5.3-flash-tiny": _tiny,
+  "glm-5.3-flash-mini": _mini,
+  "glm-5.3-flash-slice4": _slice4,
+}
 
 
 def get_config(name: str) -> Glm5NextConfig:

@@ -15,13 +15,13 @@ from models.glm5_next.config import Glm5NextConfig
 from pallas_kernels.cache_write import entry_bytes
 
 __all__ = [
-    "SPARSE_MLA_BACKEND",
-    "KPOOL_TAIL_BACKEND",
-    "KDA_BACKEND",
-    "PAGED_MQA_PAGE_SIZES",
-    "indexer_backend",
-    "tail_ring_size",
-    "get_kv_cache_layers",
+  "SPARSE_MLA_BACKEND",
+  "KPOOL_TAIL_BACKEND",
+  "KDA_BACKEND",
+  "PAGED_MQA_PAGE_SIZES",
+  "indexer_backend",
+  "tail_ring_size",
+  "get_kv_cache_layers",
 ]
 
 # Pooled entries per page that the paged MQA logits kernel reads (DeepGEMM's block_kv).
@@ -30,6 +30,7 @@ PAGED_MQA_PAGE_SIZES = (32, 64)
 SPARSE_MLA_BACKEND = AttentionBackend("glm5_sparse_mla", (MultipleOf(64),))
 KPOOL_TAIL_BACKEND = AttentionBackend("kpool_tail", (MultipleOf(1),))
 KDA_BACKEND = AttentionBackend("kda_state", ())
+
 
 def indexer_backend(kpool: int) -> AttentionBackend:
   """Pages of 32 or 64 pooled entries: ``kpool * 32`` or ``kpool * 64`` tokens."""
@@ -55,8 +56,9 @@ def _cache_spec_args(dim: int, cache_dtype: str) -> dict:
   return {"head_size": dim, "dtype": cache_dtype}
 
 
-def get_kv_cache_layers(config: Glm5NextConfig, cache_config: CacheConfig, *,
-                        tensor_parallel_size: int = 1) -> list[KVCacheLayer]:
+def get_kv_cache_layers(
+  config: Glm5NextConfig, cache_config: CacheConfig, *, tensor_parallel_size: int = 1
+) -> list[KVCacheLayer]:
   """Every cache of the text tower (and of the MTP layer when drafting), in layer order.
 
   From ``cache_config``: ``block_size`` (token caches), ``kv_cache_dtype`` (MLA latents:
@@ -77,51 +79,76 @@ def get_kv_cache_layers(config: Glm5NextConfig, cache_config: CacheConfig, *,
   kv_cache_dtype, indexer_cache_dtype = cache_config.kv_cache_dtype, cache_config.indexer_cache_dtype
   num_speculative_tokens = cache_config.num_speculative_tokens
   if num_speculative_tokens and not config.num_nextn_predict_layers:
-    raise ValueError(f"num_speculative_tokens={num_speculative_tokens} drafts with the MTP layer, but this config has "
-                     "num_nextn_predict_layers=0 (the checkpoint has no layers.N.* MTP tensors); use 0.")
+    raise ValueError(
+      f"num_speculative_tokens={num_speculative_tokens} drafts with the MTP layer, but this config has "
+      "num_nextn_predict_layers=0 (the checkpoint has no layers.N.* MTP tensors); use 0."
+    )
   kpool = config.index_kpool
   ring = tail_ring_size(kpool, num_speculative_tokens)
   idx_backend = indexer_backend(kpool)
   tp = tensor_parallel_size
   shards = tp if cache_config.layout == "dense" else 1
   if config.linear_num_heads % shards:
-    raise ValueError(f"tensor_parallel_size {tp} must divide linear_num_heads {config.linear_num_heads} to split "
-                     "the KDA states by head.")
+    raise ValueError(
+      f"tensor_parallel_size {tp} must divide linear_num_heads {config.linear_num_heads} to split "
+      "the KDA states by head."
+    )
   conv_width = config.linear_num_heads // shards * config.linear_head_dim
   kinds = list(config.layer_types) + (["indexed_attention"] if num_speculative_tokens else [])
   layers: list[KVCacheLayer] = []
   for i, kind in enumerate(kinds):
     prefix = f"layers.{i}.self_attn"
     if kind == "indexed_attention":
-      layers.append(KVCacheLayer(
+      layers.append(
+        KVCacheLayer(
           f"{prefix}.mla",
-          MLAAttentionSpec(block_size=block_size, num_kv_heads=1, cache_role="latent",
-                           **_cache_spec_args(config.kv_lora_rank, kv_cache_dtype)),
+          MLAAttentionSpec(
+            block_size=block_size,
+            num_kv_heads=1,
+            cache_role="latent",
+            **_cache_spec_args(config.kv_lora_rank, kv_cache_dtype),
+          ),
           SPARSE_MLA_BACKEND,
-      ))
-      layers.append(KVCacheLayer(
+        )
+      )
+      layers.append(
+        KVCacheLayer(
           f"{prefix}.indexer",
-          MLAAttentionSpec(block_size=block_size, num_kv_heads=1, cache_role="indexer", compress_ratio=kpool,
-                           **_cache_spec_args(config.index_head_dim, indexer_cache_dtype)),
+          MLAAttentionSpec(
+            block_size=block_size,
+            num_kv_heads=1,
+            cache_role="indexer",
+            compress_ratio=kpool,
+            **_cache_spec_args(config.index_head_dim, indexer_cache_dtype),
+          ),
           idx_backend,
-      ))
-      layers.append(KVCacheLayer(
+        )
+      )
+      layers.append(
+        KVCacheLayer(
           f"{prefix}.indexer_tail",
           # Head slot 0 holds the raw key, slot 1 the gate, of each unfinished-pool token.
-          CircularBufferSpec(block_size=ring, num_kv_heads=2, head_size=config.index_head_dim, head_size_v=0,
-                             dtype=state_dtype),
+          CircularBufferSpec(
+            block_size=ring, num_kv_heads=2, head_size=config.index_head_dim, head_size_v=0, dtype=state_dtype
+          ),
           KPOOL_TAIL_BACKEND,
-      ))
+        )
+      )
     else:
       k = config.linear_conv_kernel_dim - 1
       h, d = config.linear_num_heads // shards, config.linear_head_dim
-      layers.append(KVCacheLayer(
+      layers.append(
+        KVCacheLayer(
           f"{prefix}.kda",
           # q, k, v conv windows, then the fp32 delta-rule state.
-          LinearAttentionStateSpec(block_size=block_size, shapes=((k, conv_width),) * 3 + ((h, d, d),),
-                                   dtypes=(state_dtype,) * 3 + ("float32",),
-                                   num_speculative_blocks=num_speculative_tokens),
+          LinearAttentionStateSpec(
+            block_size=block_size,
+            shapes=((k, conv_width),) * 3 + ((h, d, d),),
+            dtypes=(state_dtype,) * 3 + ("float32",),
+            num_speculative_blocks=num_speculative_tokens,
+          ),
           KDA_BACKEND,
           shards,
-      ))
+        )
+      )
   return layers

@@ -28,18 +28,18 @@ from pallas_kernels.kpool import combine_pool
 from pallas_kernels.topk_selection import select_topk_tokens
 
 __all__ = [
-    "Glm5NextForCausalLM",
-    "RMSNorm",
-    "HyperConnection",
-    "KimiDeltaAttention",
-    "SparseMLAttention",
-    "Indexer",
-    "MoE",
-    "MLP",
-    "MTPLayer",
-    "kda_recurrent",
-    "kda_chunked",
-    "select_indexer_tokens",
+  "Glm5NextForCausalLM",
+  "RMSNorm",
+  "HyperConnection",
+  "KimiDeltaAttention",
+  "SparseMLAttention",
+  "Indexer",
+  "MoE",
+  "MLP",
+  "MTPLayer",
+  "kda_recurrent",
+  "kda_chunked",
+  "select_indexer_tokens",
 ]
 
 _HP = jax.lax.Precision.HIGHEST
@@ -98,8 +98,9 @@ class HyperConnection(nnx.Module):
     n = config.hc_mult
     self.fn = _param(rngs, ((2 + n) * n, n * config.hidden_size), dtype, std=0.05)
     self.base = _param(rngs, ((2 + n) * n,), jnp.float32, std=0.5)
-    self.scale = nnx.Param(jnp.ones((3,), jnp.float32) if rngs is None else
-                           jax.random.uniform(rngs.params(), (3,), jnp.float32, 0.5, 1.5))
+    self.scale = nnx.Param(
+      jnp.ones((3,), jnp.float32) if rngs is None else jax.random.uniform(rngs.params(), (3,), jnp.float32, 0.5, 1.5)
+    )
     self.n, self.eps, self.iters, self.norm_eps = n, config.hc_eps, config.hc_sinkhorn_iters, config.rms_norm_eps
 
   def __call__(self, streams: Float[Array, "B T N D"]):
@@ -109,8 +110,8 @@ class HyperConnection(nnx.Module):
     mixed = _linear(flat, self.fn[...].astype(jnp.float32))
     base, scale = self.base[...], self.scale[...]
     pre = jax.nn.sigmoid(mixed[..., :n] * scale[0] + base[:n]) + self.eps
-    post = 2.0 * jax.nn.sigmoid(mixed[..., n:2 * n] * scale[1] + base[n:2 * n])
-    comb = mixed[..., 2 * n:].reshape(*mixed.shape[:-1], n, n) * scale[2] + base[2 * n:].reshape(n, n)
+    post = 2.0 * jax.nn.sigmoid(mixed[..., n : 2 * n] * scale[1] + base[n : 2 * n])
+    comb = mixed[..., 2 * n :].reshape(*mixed.shape[:-1], n, n) * scale[2] + base[2 * n :].reshape(n, n)
     comb = jax.nn.softmax(comb, axis=-1) + self.eps
     comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + self.eps)
     for _ in range(self.iters - 1):
@@ -124,7 +125,8 @@ class HyperConnection(nnx.Module):
     """``X'[j] = post[j] * y + sum_i comb[i, j] * X[i]`` in the activation dtype."""
     dt = residual.dtype
     return post.astype(dt)[..., None] * y[..., None, :] + jnp.einsum(
-        "btij,btid->btjd", comb.astype(dt), residual, precision=_HP)
+      "btij,btid->btjd", comb.astype(dt), residual, precision=_HP
+    )
 
 
 def _swiglu_clamped(gate, up, limit):
@@ -174,8 +176,9 @@ class MoE(nnx.Module):
   def routing(self, x):
     """Per-token weights over all experts, zero outside the top-k: ``[..., E]`` float32."""
     idx, w = self.route(x)
-    return jnp.put_along_axis(jnp.zeros(x.shape[:-1] + (self.gate_weight.shape[0],), jnp.float32), idx, w,
-                              axis=-1, inplace=False)
+    return jnp.put_along_axis(
+      jnp.zeros(x.shape[:-1] + (self.gate_weight.shape[0],), jnp.float32), idx, w, axis=-1, inplace=False
+    )
 
   def __call__(self, x):
     lead, d = x.shape[:-1], x.shape[-1]
@@ -267,7 +270,8 @@ def kda_chunked(q, k, v, g, beta, state, chunk_size: int = 64):
     o = o + jnp.einsum("bhrj,bhjv->bhrv", m, u, precision=_HP)
     last = gam[:, -1]  # [B, H, K]
     s1 = s0 * jnp.exp(last)[..., None] + jnp.einsum(
-        "bchk,bhcv->bhkv", kc * jnp.exp(last[:, None] - gam), u, precision=_HP)
+      "bchk,bhcv->bhkv", kc * jnp.exp(last[:, None] - gam), u, precision=_HP
+    )
     return s1, o.transpose(0, 2, 1, 3)
 
   state, o = jax.lax.scan(step, state, (qs, ks, vs, gs, bs))
@@ -330,10 +334,11 @@ class KimiDeltaAttention(nnx.Module):
     mixed = self.project(x)  # [B, T, 3, C]
     if conv_state is None:
       conv_state = jnp.zeros((b, self.kw - 1, 3 * mixed.shape[-1]), mixed.dtype)
-    window = jnp.concatenate([conv_state.reshape(b, self.kw - 1, 3, -1).astype(mixed.dtype), mixed],
-                             axis=1)  # [B, kw-1+T, 3, C]
-    q, k, v = self.conv_qkv(jnp.stack([window[:, j:j + t] for j in range(self.kw)], axis=-3), x.dtype)
-    new_conv_state = window[:, -(self.kw - 1):].reshape(b, self.kw - 1, -1)
+    window = jnp.concatenate(
+      [conv_state.reshape(b, self.kw - 1, 3, -1).astype(mixed.dtype), mixed], axis=1
+    )  # [B, kw-1+T, 3, C]
+    q, k, v = self.conv_qkv(jnp.stack([window[:, j : j + t] for j in range(self.kw)], axis=-3), x.dtype)
+    new_conv_state = window[:, -(self.kw - 1) :].reshape(b, self.kw - 1, -1)
     g, beta = self.gates(x)
     if recurrent_state is None:
       recurrent_state = jnp.zeros((b, self.h, self.k, self.k), jnp.float32)
@@ -347,7 +352,7 @@ class KimiDeltaAttention(nnx.Module):
     """Conv windows ``[..., kw, 3, C]`` (raw projections, oldest first) -> normed ``q, k, v [..., H, K]``."""
     out = jax.nn.silu(jnp.sum(windows.astype(jnp.float32) * self.conv_weights(), axis=-3)).astype(dtype)
     q, k, v = (out[..., i, :].reshape(*out.shape[:-2], self.h, self.k).astype(jnp.float32) for i in range(3))
-    return _l2norm(q) * self.k ** -0.5, _l2norm(k), v
+    return _l2norm(q) * self.k**-0.5, _l2norm(k), v
 
   def output(self, o, x):
     """Gated RMSNorm (float32 through weight and gate, as HF's RMSNormGated) and ``o_proj``."""
@@ -388,7 +393,7 @@ class Indexer(nnx.Module):
     q = self.wq_b(q_resid).reshape(*x.shape[:-1], self.h, self.k)
     key = self.k_norm(self.wk(x))
     gate = _linear(x, self.index_kpool_compress_gate[...])
-    w = self.weights_proj(x).astype(jnp.float32) * self.h ** -0.5
+    w = self.weights_proj(x).astype(jnp.float32) * self.h**-0.5
     return q, key, gate, w
 
   def pool(self, key, gate):
@@ -403,7 +408,7 @@ class Indexer(nnx.Module):
   def scores(self, q, w, pooled):
     """``sum_h w_h relu(q_h . K_p / sqrt(K))`` in float32: ``[B, T, P]``."""
     s = jnp.einsum("bthk,bpk->bthp", q.astype(jnp.float32), pooled.astype(jnp.float32), precision=_HP)
-    return jnp.einsum("bthp,bth->btp", jax.nn.relu(s * self.k ** -0.5), w, precision=_HP)
+    return jnp.einsum("bthp,bth->btp", jax.nn.relu(s * self.k**-0.5), w, precision=_HP)
 
   def __call__(self, x, q_resid):
     """Selected token indices ``[B, T, topk + kpool - 1]`` of each query (whole sequences from 0)."""
@@ -426,8 +431,9 @@ class SparseMLAttention(nnx.Module):
     self.q_b_proj = Linear(config.q_lora_rank, h * config.qk_nope_head_dim, dtype=dtype, rngs=rngs)
     self.kv_a_proj_with_mqa = Linear(d, config.kv_lora_rank, dtype=dtype, rngs=rngs)
     self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps, dtype=dtype, rngs=rngs)
-    self.kv_b_proj = Linear(config.kv_lora_rank, h * (config.qk_nope_head_dim + config.v_head_dim), dtype=dtype,
-                            rngs=rngs)
+    self.kv_b_proj = Linear(
+      config.kv_lora_rank, h * (config.qk_nope_head_dim + config.v_head_dim), dtype=dtype, rngs=rngs
+    )
     self.o_proj = Linear(h * config.v_head_dim, d, dtype=dtype, rngs=rngs)
     self.indexer = Indexer(config, dtype=dtype, rngs=rngs) if with_indexer else None
     self.h, self.dk, self.dv = h, config.qk_nope_head_dim, config.v_head_dim
@@ -444,7 +450,7 @@ class SparseMLAttention(nnx.Module):
     q_resid, c_kv = self.latent(x)
     q = self.q_b_proj(q_resid).reshape(b, t, self.h, self.dk)
     kv = self.kv_b_proj(c_kv).reshape(b, t, self.h, self.dk + self.dv)
-    k, v = kv[..., : self.dk], kv[..., self.dk:]
+    k, v = kv[..., : self.dk], kv[..., self.dk :]
     if self.indexer is not None:
       indices = self.indexer(x, q_resid)
     elif prev_indices is None:
@@ -452,9 +458,12 @@ class SparseMLAttention(nnx.Module):
     else:
       indices = prev_indices
     valid = indices >= 0
-    mask = jnp.zeros((b, t, t), bool).at[
-        jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], jnp.where(valid, indices, 0)].max(valid)
-    s = jnp.einsum("bthk,bshk->bhts", q, k, precision=_HP).astype(jnp.float32) * self.dk ** -0.5
+    mask = (
+      jnp.zeros((b, t, t), bool)
+      .at[jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], jnp.where(valid, indices, 0)]
+      .max(valid)
+    )
+    s = jnp.einsum("bthk,bshk->bhts", q, k, precision=_HP).astype(jnp.float32) * self.dk**-0.5
     s = jnp.where(mask[:, None], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1).astype(x.dtype)
     o = jnp.einsum("bhts,bshk->bthk", p, v, precision=_HP).reshape(b, t, -1)
@@ -478,11 +487,13 @@ class DecoderLayer(nnx.Module):
     if self.kind == "linear_attention":
       self.self_attn = KimiDeltaAttention(config, dtype=dtype, rngs=rngs)
     else:
-      self.self_attn = SparseMLAttention(config, dtype=dtype, rngs=rngs,
-                                         with_indexer=config.indexer_types[layer_idx] == "full")
+      self.self_attn = SparseMLAttention(
+        config, dtype=dtype, rngs=rngs, with_indexer=config.indexer_types[layer_idx] == "full"
+      )
     moe = config.mlp_layer_types[layer_idx] == "sparse"
-    self.mlp = MoE(config, dtype=dtype, rngs=rngs) if moe else MLP(config, config.intermediate_size, dtype=dtype,
-                                                                   rngs=rngs)
+    self.mlp = (
+      MoE(config, dtype=dtype, rngs=rngs) if moe else MLP(config, config.intermediate_size, dtype=dtype, rngs=rngs)
+    )
     self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
     self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
     self.attn_hc = HyperConnection(config, dtype=dtype, rngs=rngs)

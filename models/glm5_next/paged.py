@@ -66,9 +66,11 @@ class PagedLayout:
   def from_plan(cls, plan: KVCacheConfig) -> PagedLayout:
     cc = plan.cache_config
     if not cc.dtypes_resolved:
-      raise ValueError(f"the plan's cache dtypes are not resolved ({cc.kv_cache_dtype}, {cc.indexer_cache_dtype}, "
-                       f"{cc.state_dtype}): plan with cache_config.resolve_dtypes(the model's dtype), as "
-                       "jaxkv.engine.plan_for does.")
+      raise ValueError(
+        f"the plan's cache dtypes are not resolved ({cc.kv_cache_dtype}, {cc.indexer_cache_dtype}, "
+        f"{cc.state_dtype}): plan with cache_config.resolve_dtypes(the model's dtype), as "
+        "jaxkv.engine.plan_for does."
+      )
     split = tuple((t.name, t.shards) for t in plan.tensors if t.shards > 1)
     return cls(cc.kv_cache_dtype, cc.indexer_cache_dtype, cc.state_dtype, plan.views, split)
 
@@ -94,10 +96,12 @@ def kernel_fallbacks(config: Glm5NextConfig, layout: PagedLayout, shared_memory_
   if not pages:
     return {}
   checks = {
-      "sparse_mla_decode": lambda: sparse_mla_decode_tiles(config.num_attention_heads, config.kv_lora_rank,
-                                                           layout.kv_cache_dtype, shared_memory_bytes),
-      "paged_mqa_logits": lambda: paged_mqa_logits_stages(config.index_n_heads, 1, config.index_head_dim, max(pages),
-                                                          layout.indexer_cache_dtype, shared_memory_bytes),
+    "sparse_mla_decode": lambda: sparse_mla_decode_tiles(
+      config.num_attention_heads, config.kv_lora_rank, layout.kv_cache_dtype, shared_memory_bytes
+    ),
+    "paged_mqa_logits": lambda: paged_mqa_logits_stages(
+      config.index_n_heads, 1, config.index_head_dim, max(pages), layout.indexer_cache_dtype, shared_memory_bytes
+    ),
   }
   out = {}
   for kernel, check in checks.items():
@@ -118,8 +122,9 @@ def _per_device(attn, fn, args, in_axes, out_axes):
   return sharding.map(fn, args, in_axes, out_axes)
 
 
-def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, state_dtype: str, implementation: str,
-              shards: int = 1):
+def _kda_step(
+  attn, x, caches, view: KernelView, inputs: StepInputs, state_dtype: str, implementation: str, shards: int = 1
+):
   """KDA over the flat batch on each request's state slots (its row of the layer's state group).
 
   A request owns ``S = 1 + num_speculative_tokens`` slots. The step continues from slot
@@ -139,13 +144,16 @@ def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, state_dtype
   arr = caches[view.tensor]
   sdt = jnp.dtype(state_dtype)
   if shards > 1 and (attn.head_sharding is None or attn.head_sharding.size != shards):
-    raise ValueError(f"{view.layer_name} is split over {shards} devices by head, but the layer runs on "
-                     f"{1 if attn.head_sharding is None else attn.head_sharding.size}; plan the caches with the "
-                     "engine's tensor_parallel_size.")
+    raise ValueError(
+      f"{view.layer_name} is split over {shards} devices by head, but the layer runs on "
+      f"{1 if attn.head_sharding is None else attn.head_sharding.size}; plan the caches with the "
+      "engine's tensor_parallel_size."
+    )
   page = _StatePage(view, h // shards, k, kw - 1, sdt)
   # Split pages are read and written on each device (its heads' bytes); whole ones where they are.
-  on_pages = lambda fn, args, in_axes, out_axes: (attn.head_sharding.map(fn, args, in_axes, out_axes) if shards > 1
-                                                  else fn(*args))
+  on_pages = lambda fn, args, in_axes, out_axes: (
+    attn.head_sharding.map(fn, args, in_axes, out_axes) if shards > 1 else fn(*args)
+  )
   rows = jnp.take_along_axis(table, inputs.state_slots[:, None], axis=1)[:, 0]
   conv, rec = on_pages(page.read, (arr, rows), (1, None), (3, 1))  # [R, kw-1, 3, C], [R, H, K, K]
   # Requests with tokens in this step; one whose first token is position 0 starts from zero state
@@ -171,13 +179,15 @@ def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, state_dtype
   rank = jnp.where(req >= 0, pos - first_pos[jnp.maximum(req, 0)], 0)[:, None]  # [T, 1]
   tap = jnp.arange(kw, dtype=jnp.int32)[None, :]
   lag = (kw - 1) - tap
-  src = jnp.where(rank >= lag, jnp.arange(t, dtype=jnp.int32)[:, None] - lag,
-                  t + jnp.maximum(req, 0)[:, None] * (kw - 1) + tap + rank)
+  src = jnp.where(
+    rank >= lag, jnp.arange(t, dtype=jnp.int32)[:, None] - lag, t + jnp.maximum(req, 0)[:, None] * (kw - 1) + tap + rank
+  )
   windows = jnp.concatenate([mixed, conv.reshape(-1, 3, c)])[src]  # [T, kw, 3, C]
   q, kk, v = attn.conv_qkv(windows, x.dtype)
   # The conv state after a token is its window's last kw-1 inputs.
-  conv_slots = jnp.zeros((num_reqs, num_slots) + conv.shape[1:], conv.dtype).at[seen, slot].set(
-      windows[:, 1:], mode="drop")
+  conv_slots = (
+    jnp.zeros((num_reqs, num_slots) + conv.shape[1:], conv.dtype).at[seen, slot].set(windows[:, 1:], mode="drop")
+  )
   kda = functools.partial(fused_recurrent_kda, implementation=gpu_kernel_implementation(implementation))
   args = (q, kk, v, g, beta, rec, jnp.zeros((num_reqs, num_slots) + rec.shape[1:], rec.dtype), req, slot)
   o, rec_slots = _per_device(attn, kda, args, in_axes=(1, 1, 1, 1, 1, 1, 2, None, None), out_axes=(1, 2))
@@ -207,10 +217,11 @@ class _StatePage:
   def read(self, arr, rows):
     """Conv windows ``[R, kw-1, 3, C]`` and states ``[R, H, K, K]`` of blocks ``rows``."""
     n_conv, c = self._conv_words, self.heads * self.head_dim
-    raw = _read_rows(_as_words(arr), rows, self.view.offset_bytes // 4, n_conv + self.heads * self.head_dim ** 2)
+    raw = _read_rows(_as_words(arr), rows, self.view.offset_bytes // 4, n_conv + self.heads * self.head_dim**2)
     conv = _from_words(raw[:, :n_conv], self.state_dtype).reshape(-1, 3, self.conv_rows, c).transpose(0, 2, 1, 3)
-    rec = jax.lax.bitcast_convert_type(raw[:, n_conv:], jnp.float32).reshape(-1, self.heads, self.head_dim,
-                                                                              self.head_dim)
+    rec = jax.lax.bitcast_convert_type(raw[:, n_conv:], jnp.float32).reshape(
+      -1, self.heads, self.head_dim, self.head_dim
+    )
     return conv, rec
 
   def write(self, arr, dest, conv_slots, rec_slots):
@@ -247,13 +258,24 @@ def _read_rows(words, rows, offset, n):
 def _write_rows(words, rows, offset, values):
   """``words[rows[i], offset:offset + n] = values[i]``; rows out of range write nothing."""
   idx = jnp.stack([rows, jnp.full_like(rows, offset)], axis=1)
-  dnums = jax.lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0,),
-                                          scatter_dims_to_operand_dims=(0, 1))
+  dnums = jax.lax.ScatterDimensionNumbers(
+    update_window_dims=(1,), inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0, 1)
+  )
   return jax.lax.scatter(words, idx, values, dnums, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
-def _dsa_step(attn, x, caches, layout: PagedLayout, name: str, inputs: StepInputs, prev_indices, implementation,
-              *, share_indices: bool = False):
+def _dsa_step(
+  attn,
+  x,
+  caches,
+  layout: PagedLayout,
+  name: str,
+  inputs: StepInputs,
+  prev_indices,
+  implementation,
+  *,
+  share_indices: bool = False,
+):
   """Sparse MLA over the paged latent cache with the pooled indexer; returns ``(y, caches, indices)``.
 
   ``prev_indices`` are attended with instead of running the indexer in layers without one, and
@@ -268,8 +290,9 @@ def _dsa_step(attn, x, caches, layout: PagedLayout, name: str, inputs: StepInput
   meta = inputs.metadata
   slots = meta.slot_mappings[mla.kv_cache_group_id]
   caches = dict(caches)
-  caches[mla.tensor] = write_to_paged_cache(caches[mla.tensor], encode_entries(c_kv, layout.kv_cache_dtype), slots,
-                                            view=mla, implementation=implementation)
+  caches[mla.tensor] = write_to_paged_cache(
+    caches[mla.tensor], encode_entries(c_kv, layout.kv_cache_dtype), slots, view=mla, implementation=implementation
+  )
   if attn.indexer is not None and not share_indices:
     ind = attn.indexer
     q, key, gate, w = ind.project(x[None], q_resid[None])
@@ -280,9 +303,21 @@ def _dsa_step(attn, x, caches, layout: PagedLayout, name: str, inputs: StepInput
     tail_slots = meta.slot_mappings[tail.kv_cache_group_id]
     shared = idx.tensor == tail.tensor
     cache, tail_arr = kpool_compress_and_write(
-        caches[idx.tensor], None if shared else caches[tail.tensor], key, gate,
-        ind.index_kpool_compress_ape[...].astype(jnp.float32), pos, req, tail_slots, cslots, view=idx,
-        tail_view=tail, kpool=ind.kpool, cache_dtype=layout.indexer_cache_dtype, implementation=implementation)
+      caches[idx.tensor],
+      None if shared else caches[tail.tensor],
+      key,
+      gate,
+      ind.index_kpool_compress_ape[...].astype(jnp.float32),
+      pos,
+      req,
+      tail_slots,
+      cslots,
+      view=idx,
+      tail_view=tail,
+      kpool=ind.kpool,
+      cache_dtype=layout.indexer_cache_dtype,
+      implementation=implementation,
+    )
     caches[idx.tensor] = cache
     if not shared:
       caches[tail.tensor] = tail_arr
@@ -291,9 +326,13 @@ def _dsa_step(attn, x, caches, layout: PagedLayout, name: str, inputs: StepInput
     # relu(c * s) = c * relu(s) for c > 0: the 1/sqrt(K) score scale folds into the head weights.
     # Rows are independent and summed over all heads: on a mesh each device scores its share of the
     # step's tokens (the head sum stays whole, so each row's arithmetic is the single-device one).
-    mqa = functools.partial(paged_mqa_logits, view=idx, cache_dtype=layout.indexer_cache_dtype,
-                            implementation=layout.implementation("paged_mqa_logits", implementation))
-    args = (q_in[:, None], caches[idx.tensor], w * ind.k ** -0.5, ((pos + 1) // ind.kpool)[:, None], kt[rows])
+    mqa = functools.partial(
+      paged_mqa_logits,
+      view=idx,
+      cache_dtype=layout.indexer_cache_dtype,
+      implementation=layout.implementation("paged_mqa_logits", implementation),
+    )
+    args = (q_in[:, None], caches[idx.tensor], w * ind.k**-0.5, ((pos + 1) // ind.kpool)[:, None], kt[rows])
     logits = _per_device(attn, mqa, args, in_axes=(0, None, 0, 0, 0), out_axes=(0,))
     indices = select_topk_tokens(logits, pos + 1, kpool=ind.kpool, index_topk=ind.topk)
     indices = jnp.where((req >= 0)[:, None], indices, -1)
@@ -303,16 +342,27 @@ def _dsa_step(attn, x, caches, layout: PagedLayout, name: str, inputs: StepInput
   w_kvb = attn.kv_b_proj.weight[...].reshape(attn.h, attn.dk + attn.dv, -1)
   q = attn.q_b_proj(q_resid).reshape(t, attn.h, attn.dk)
   q_lat = jnp.einsum("thk,hkl->thl", q, w_kvb[:, : attn.dk].astype(q.dtype), precision=_HP)
-  decode = functools.partial(sparse_mla_decode, view=mla, cache_dtype=layout.kv_cache_dtype, sm_scale=attn.dk ** -0.5,
-                             implementation=layout.implementation("sparse_mla_decode", implementation))
+  decode = functools.partial(
+    sparse_mla_decode,
+    view=mla,
+    cache_dtype=layout.kv_cache_dtype,
+    sm_scale=attn.dk**-0.5,
+    implementation=layout.implementation("sparse_mla_decode", implementation),
+  )
   args = (q_lat.astype(jnp.float32), caches[mla.tensor], indices, req, table)
   o_lat = _per_device(attn, decode, args, in_axes=(1, None, None, None, None), out_axes=(1,))
-  o = jnp.einsum("thl,hvl->thv", o_lat.astype(x.dtype), w_kvb[:, attn.dk:].astype(x.dtype), precision=_HP)
+  o = jnp.einsum("thl,hvl->thv", o_lat.astype(x.dtype), w_kvb[:, attn.dk :].astype(x.dtype), precision=_HP)
   return attn.o_proj(o.reshape(t, -1)), caches, indices
 
 
-def paged_hidden_states(model: Glm5NextForCausalLM, caches: dict[str, jax.Array], inputs: StepInputs,
-                        layout: PagedLayout, *, implementation: str = "xla"):
+def paged_hidden_states(
+  model: Glm5NextForCausalLM,
+  caches: dict[str, jax.Array],
+  inputs: StepInputs,
+  layout: PagedLayout,
+  *,
+  implementation: str = "xla",
+):
   """One step of the trunk: post-final-norm hidden states ``[T, D]`` and the updated caches.
 
   Args:
@@ -329,19 +379,28 @@ def paged_hidden_states(model: Glm5NextForCausalLM, caches: dict[str, jax.Array]
     name = f"layers.{i}.self_attn"
     if isinstance(attn, KimiDeltaAttention):
       view = layout.view(f"{name}.kda")
-      y, state["caches"] = _kda_step(attn, x[0], state["caches"], view, inputs, layout.state_dtype, implementation,
-                                     layout.shards(view.tensor))
+      y, state["caches"] = _kda_step(
+        attn, x[0], state["caches"], view, inputs, layout.state_dtype, implementation, layout.shards(view.tensor)
+      )
       return y[None], None
-    y, state["caches"], indices = _dsa_step(attn, x[0], state["caches"], layout, name, inputs, prev_indices,
-                                            implementation)
+    y, state["caches"], indices = _dsa_step(
+      attn, x[0], state["caches"], layout, name, inputs, prev_indices, implementation
+    )
     return y[None], indices
 
   hidden = model.hidden_states(inputs.input_ids[None], attend=attend)
   return hidden[0], state["caches"]
 
 
-def paged_forward(model: Glm5NextForCausalLM, caches: dict[str, jax.Array], inputs: StepInputs, layout: PagedLayout,
-                  *, implementation: str = "xla", logits_indices: Int[Array, "S"] | None = None):
+def paged_forward(
+  model: Glm5NextForCausalLM,
+  caches: dict[str, jax.Array],
+  inputs: StepInputs,
+  layout: PagedLayout,
+  *,
+  implementation: str = "xla",
+  logits_indices: Int[Array, " S"] | None = None,
+):
   """One step: logits ``[T, V]`` of every token (or ``[S, V]`` of ``logits_indices``) and the caches.
 
   ``logits_indices``: the tokens whose logits are needed (each sampling request's last token); the
@@ -353,9 +412,17 @@ def paged_forward(model: Glm5NextForCausalLM, caches: dict[str, jax.Array], inpu
   return model.logits(hidden), caches
 
 
-def paged_mtp_forward(model: Glm5NextForCausalLM, caches: dict[str, jax.Array], hidden: Float[Array, "T D"],
-                      next_ids: Int[Array, "T"], inputs: StepInputs, layout: PagedLayout, *,
-                      implementation: str = "xla", shared_indices: Int[Array, "T W"] | None = None):
+def paged_mtp_forward(
+  model: Glm5NextForCausalLM,
+  caches: dict[str, jax.Array],
+  hidden: Float[Array, "T D"],
+  next_ids: Int[Array, " T"],
+  inputs: StepInputs,
+  layout: PagedLayout,
+  *,
+  implementation: str = "xla",
+  shared_indices: Int[Array, "T W"] | None = None,
+):
   """The MTP layer over a step's tokens: draft hidden ``h' [T, D]``, the caches and the index rows.
 
   Token ``t`` at position ``p`` combines the trunk's hidden ``h_p`` with the embedding of the token
@@ -371,8 +438,17 @@ def paged_mtp_forward(model: Glm5NextForCausalLM, caches: dict[str, jax.Array], 
   state = {"caches": caches}
 
   def attend(attn, x, _):
-    y, state["caches"], indices = _dsa_step(attn, x[0], state["caches"], layout, name, inputs, shared_indices,
-                                            implementation, share_indices=shared_indices is not None)
+    y, state["caches"], indices = _dsa_step(
+      attn,
+      x[0],
+      state["caches"],
+      layout,
+      name,
+      inputs,
+      shared_indices,
+      implementation,
+      share_indices=shared_indices is not None,
+    )
     return y[None], indices
 
   h, indices = model.mtp(hidden[None], model.embed_tokens[...][next_ids][None], inputs.positions[None], attend=attend)

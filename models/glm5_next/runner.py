@@ -97,8 +97,9 @@ class Glm5NextRunner:
   def compute_logits(self, params, hidden):
     return self._model(params).logits(hidden)
 
-  def propose_drafts(self, params, caches, hidden, next_ids, inputs: StepInputs, last, layout: PagedLayout, *,
-                     num_drafts: int):
+  def propose_drafts(
+    self, params, caches, hidden, next_ids, inputs: StepInputs, last, layout: PagedLayout, *, num_drafts: int
+  ):
     """The MTP pass over every step token (it fills the MTP layer's caches, prompts included), then
     a chain of drafts from each row's last accepted token: draft j is the MTP layer's token at
     position ``p + j + 1``, its hidden state and the draft recycled for the next."""
@@ -115,8 +116,9 @@ class Glm5NextRunner:
       meta = compute_step_metadata(inputs.block_tables, inputs.num_blocks, rows, pos + j, spec=inputs.metadata.spec)
       meta = dataclasses.replace(meta, kernel_block_tables=inputs.metadata.kernel_block_tables)
       step = dataclasses.replace(inputs, input_ids=drafts[-1], positions=pos + j, req_indices=rows, metadata=meta)
-      h, caches, _ = paged_mtp_forward(model, caches, h, drafts[-1], step, layout, implementation=impl,
-                                       shared_indices=shared)
+      h, caches, _ = paged_mtp_forward(
+        model, caches, h, drafts[-1], step, layout, implementation=impl, shared_indices=shared
+      )
       drafts.append(jnp.argmax(model.logits(h), axis=-1).astype(jnp.int32))
     return jnp.stack(drafts, axis=1), caches
 
@@ -131,16 +133,25 @@ class _Family:
   check_parallel = staticmethod(check_divisible)
 
   @staticmethod
-  def from_pretrained(model_path: str, *, dtype: str = "bfloat16", implementation: str = "auto",
-                      check_weights: bool = False, mesh=None, expert_parallel: bool = False) -> Glm5NextRunner:
+  def from_pretrained(
+    model_path: str,
+    *,
+    dtype: str = "bfloat16",
+    implementation: str = "auto",
+    check_weights: bool = False,
+    mesh=None,
+    expert_parallel: bool = False,
+  ) -> Glm5NextRunner:
     """``mesh``: load by shard, each process reading only its devices' slices (``load_checkpoint``)."""
-    _, model = load_checkpoint(model_path, dtype=_DTYPES[dtype], check_weights=check_weights, mesh=mesh,
-                               expert_parallel=expert_parallel)
+    _, model = load_checkpoint(
+      model_path, dtype=_DTYPES[dtype], check_weights=check_weights, mesh=mesh, expert_parallel=expert_parallel
+    )
     return Glm5NextRunner.from_model(model, implementation=implementation)
 
   @staticmethod
-  def from_random(config: Glm5NextConfig, *, dtype: str = "float32", seed: int = 0,
-                  implementation: str = "auto") -> Glm5NextRunner:
+  def from_random(
+    config: Glm5NextConfig, *, dtype: str = "float32", seed: int = 0, implementation: str = "auto"
+  ) -> Glm5NextRunner:
     model = Glm5NextForCausalLM(config, dtype=_DTYPES[dtype], rngs=nnx.Rngs(seed))
     return Glm5NextRunner.from_model(model, implementation=implementation)
 
@@ -151,8 +162,14 @@ class _Family:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(abstract)))
 
   @staticmethod
-  def per_device(config: Glm5NextConfig, cache_config: CacheConfig, *, tensor_parallel_size: int = 1,
-                 data_parallel_size: int = 1, expert_parallel: bool = False) -> dict:
+  def per_device(
+    config: Glm5NextConfig,
+    cache_config: CacheConfig,
+    *,
+    tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    expert_parallel: bool = False,
+  ) -> dict:
     """What one device of a ``data x tensor`` mesh holds (``jaxkv inspect --tensor-parallel-size``).
 
     Weights split as ``models.glm5_next.sharding`` says; the caches as the engine places them
@@ -165,18 +182,24 @@ class _Family:
     tp, dp = tensor_parallel_size, data_parallel_size
     check_divisible(config, tensor_parallel_size=tp, data_parallel_size=dp, expert_parallel=expert_parallel)
     abstract = nnx.eval_shape(lambda: Glm5NextForCausalLM(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
-    shapes = [(".".join(map(str, k)), tuple(v.get_value().shape), v.get_value().dtype.itemsize)
-              for k, v in nnx.to_flat_state(nnx.state(abstract))]
+    shapes = [
+      (".".join(map(str, k)), tuple(v.get_value().shape), v.get_value().dtype.itemsize)
+      for k, v in nnx.to_flat_state(nnx.state(abstract))
+    ]
     kw = dict(tensor_parallel_size=tp, data_parallel_size=dp, expert_parallel=expert_parallel)
-    return {"weight_bytes_bf16": per_device_weight_bytes(shapes, weight_format="bf16", **kw),
-            "weight_bytes_fp8": per_device_weight_bytes(shapes, weight_format="fp8", **kw),
-            "plan": plan_kv_cache(get_kv_cache_layers(config, cache_config, tensor_parallel_size=tp), cache_config)}
+    return {
+      "weight_bytes_bf16": per_device_weight_bytes(shapes, weight_format="bf16", **kw),
+      "weight_bytes_fp8": per_device_weight_bytes(shapes, weight_format="fp8", **kw),
+      "plan": plan_kv_cache(get_kv_cache_layers(config, cache_config, tensor_parallel_size=tp), cache_config),
+    }
 
   @staticmethod
   def describe(config: Glm5NextConfig, cache_config: CacheConfig) -> str:
     mtp = " + the MTP layer (MLA + indexer)" if cache_config.num_speculative_tokens else ""
-    return (f"{config.num_hidden_layers} layers ({len(config.dsa_layers)} MLA + indexer, "
-            f"{len(config.kda_layers)} KDA state){mtp}")
+    return (
+      f"{config.num_hidden_layers} layers ({len(config.dsa_layers)} MLA + indexer, "
+      f"{len(config.kda_layers)} KDA state){mtp}"
+    )
 
 
 FAMILY = _Family()

@@ -21,25 +21,33 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["DATA", "TENSOR", "ExpertSharding", "HeadSharding", "check_divisible", "partition_spec",
-           "per_device_weight_bytes", "shard_model"]
+__all__ = [
+  "DATA",
+  "TENSOR",
+  "ExpertSharding",
+  "HeadSharding",
+  "check_divisible",
+  "partition_spec",
+  "per_device_weight_bytes",
+  "shard_model",
+]
 
 DATA, TENSOR = "data", "tensor"
 _EXPERTS = (DATA, TENSOR)
 
 # (pattern on the parameter path, spec without expert parallelism, spec with it).
 _RULES = [
-    (r"^(embed_tokens|lm_head)$", P(TENSOR, None), None),
-    (r"mlp\.experts_(gate|up)$", P(None, None, TENSOR), P(_EXPERTS, None, None)),
-    (r"mlp\.experts_down$", P(None, TENSOR, None), P(_EXPERTS, None, None)),
-    (r"\.(gate_proj|up_proj)\.weight$", P(TENSOR, None), None),  # dense and shared-expert MLPs
-    (r"\.down_proj\.weight$", P(None, TENSOR), None),
-    (r"self_attn\.(q_b_proj|kv_b_proj)\.weight$", P(TENSOR, None), None),  # MLA heads
-    (r"self_attn\.o_proj\.weight$", P(None, TENSOR), None),  # MLA and KDA outputs
-    (r"indexer\.(wq_b|weights_proj)\.weight$", P(TENSOR, None), None),  # indexer heads
-    (r"self_attn\.(q_proj|k_proj|v_proj|f_b_proj|g_b_proj|b_proj)\.weight$", P(TENSOR, None), None),  # KDA heads
-    (r"self_attn\.[qkv]_conv1d$", P(TENSOR, None, None), None),
-    (r"self_attn\.(A_log|dt_bias)$", P(TENSOR), None),
+  (r"^(embed_tokens|lm_head)$", P(TENSOR, None), None),
+  (r"mlp\.experts_(gate|up)$", P(None, None, TENSOR), P(_EXPERTS, None, None)),
+  (r"mlp\.experts_down$", P(None, TENSOR, None), P(_EXPERTS, None, None)),
+  (r"\.(gate_proj|up_proj)\.weight$", P(TENSOR, None), None),  # dense and shared-expert MLPs
+  (r"\.down_proj\.weight$", P(None, TENSOR), None),
+  (r"self_attn\.(q_b_proj|kv_b_proj)\.weight$", P(TENSOR, None), None),  # MLA heads
+  (r"self_attn\.o_proj\.weight$", P(None, TENSOR), None),  # MLA and KDA outputs
+  (r"indexer\.(wq_b|weights_proj)\.weight$", P(TENSOR, None), None),  # indexer heads
+  (r"self_attn\.(q_proj|k_proj|v_proj|f_b_proj|g_b_proj|b_proj)\.weight$", P(TENSOR, None), None),  # KDA heads
+  (r"self_attn\.[qkv]_conv1d$", P(TENSOR, None, None), None),
+  (r"self_attn\.(A_log|dt_bias)$", P(TENSOR), None),
 ]
 _FP8_EXCLUDED = re.compile(r"^(embed_tokens|lm_head)$|_hc\.|mlp\.gate_weight$")
 _FP8_BLOCK = 128
@@ -64,8 +72,14 @@ def _shards(spec: P, axis_sizes: dict[str, int]) -> list[int]:
   return out
 
 
-def per_device_weight_bytes(named_shapes, *, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-                            expert_parallel: bool = False, weight_format: str = "bf16") -> int:
+def per_device_weight_bytes(
+  named_shapes,
+  *,
+  tensor_parallel_size: int = 1,
+  data_parallel_size: int = 1,
+  expert_parallel: bool = False,
+  weight_format: str = "bf16",
+) -> int:
   """Bytes of weights one device holds.
 
   Args:
@@ -86,9 +100,11 @@ def per_device_weight_bytes(named_shapes, *, tensor_parallel_size: int = 1, data
     local = []
     for dim, (size, shards) in enumerate(zip(shape, _shards(spec, axes))):
       if size % shards:
-        raise ValueError(f"{name} {list(shape)}: dimension {dim} ({size}) does not split over {shards} devices "
-                         f"(tensor parallel {tensor_parallel_size}, data parallel {data_parallel_size}, expert "
-                         f"parallel {'on' if expert_parallel else 'off'}); choose sizes that divide it.")
+        raise ValueError(
+          f"{name} {list(shape)}: dimension {dim} ({size}) does not split over {shards} devices "
+          f"(tensor parallel {tensor_parallel_size}, data parallel {data_parallel_size}, expert "
+          f"parallel {'on' if expert_parallel else 'off'}); choose sizes that divide it."
+        )
       local.append(size // shards)
     n = math.prod(local)
     if weight_format == "fp8" and len(local) >= 2 and not _FP8_EXCLUDED.search(name):
@@ -104,17 +120,24 @@ def check_divisible(config, *, tensor_parallel_size: int, data_parallel_size: in
   tp, dp = tensor_parallel_size, data_parallel_size
   if tp < 1 or dp < 1:
     raise ValueError(f"tensor_parallel_size {tp} and data_parallel_size {dp} must be >= 1.")
-  heads = {"num_attention_heads": config.num_attention_heads, "index_n_heads": config.index_n_heads,
-           "linear_num_heads": config.linear_num_heads}
+  heads = {
+    "num_attention_heads": config.num_attention_heads,
+    "index_n_heads": config.index_n_heads,
+    "linear_num_heads": config.linear_num_heads,
+  }
   bad = {k: v for k, v in heads.items() if v % tp}
   if bad:
     raise ValueError(f"tensor_parallel_size {tp} must divide every head count; it does not divide {bad}.")
   if expert_parallel and config.n_routed_experts % (tp * dp):
-    raise ValueError(f"expert parallelism deals {config.n_routed_experts} experts over {tp * dp} devices "
-                     f"(tensor {tp} x data {dp}), which does not divide them.")
+    raise ValueError(
+      f"expert parallelism deals {config.n_routed_experts} experts over {tp * dp} devices "
+      f"(tensor {tp} x data {dp}), which does not divide them."
+    )
   if not expert_parallel and config.moe_intermediate_size % tp:
-    raise ValueError(f"tensor_parallel_size {tp} must divide the experts' width moe_intermediate_size "
-                     f"{config.moe_intermediate_size} (or use expert parallelism).")
+    raise ValueError(
+      f"tensor_parallel_size {tp} must divide the experts' width moe_intermediate_size "
+      f"{config.moe_intermediate_size} (or use expert parallelism)."
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,15 +162,18 @@ class ExpertSharding:
   def routed(self, routed_fn, flat, idx, w, w_gate, w_up, w_down):
     """``routed_fn`` (``MoE._routed``) on each device's experts, summed over the mesh: float32 ``[M, D]``."""
     axes, ep = self.axes, self.expert_parallel
-    specs = [partition_spec(f"mlp.experts_{n}", x.shape, expert_parallel=ep)
-             for n, x in (("gate", w_gate), ("up", w_up), ("down", w_down))]
+    specs = [
+      partition_spec(f"mlp.experts_{n}", x.shape, expert_parallel=ep)
+      for n, x in (("gate", w_gate), ("up", w_up), ("down", w_down))
+    ]
 
     def local(flat, idx, w, w_gate, w_up, w_down):
       first = jax.lax.axis_index(axes) * w_gate.shape[0] if ep else None
       return jax.lax.psum(routed_fn(flat, idx, w, w_gate, w_up, w_down, first), axes)
 
-    return jax.shard_map(local, mesh=self.mesh, in_specs=(P(), P(), P(), *specs), out_specs=P(),
-                         check_vma=False)(flat, idx, w, w_gate, w_up, w_down)
+    return jax.shard_map(local, mesh=self.mesh, in_specs=(P(), P(), P(), *specs), out_specs=P(), check_vma=False)(
+      flat, idx, w, w_gate, w_up, w_down
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,8 +200,13 @@ class HeadSharding:
     output split over ``tensor``, None for one the device sees whole."""
     spec = lambda axis: P() if axis is None else P(*([None] * axis), TENSOR)
     out_specs = tuple(spec(a) for a in out_axes)
-    return jax.shard_map(fn, mesh=self.mesh, in_specs=tuple(spec(a) for a in in_axes),
-                         out_specs=out_specs if len(out_specs) > 1 else out_specs[0], check_vma=False)(*args)
+    return jax.shard_map(
+      fn,
+      mesh=self.mesh,
+      in_specs=tuple(spec(a) for a in in_axes),
+      out_specs=out_specs if len(out_specs) > 1 else out_specs[0],
+      check_vma=False,
+    )(*args)
 
 
 def shard_model(model, mesh: Mesh, *, expert_parallel: bool = False) -> None:
@@ -190,8 +221,12 @@ def shard_model(model, mesh: Mesh, *, expert_parallel: bool = False) -> None:
 
   from models.glm5_next.model import KimiDeltaAttention, MoE, SparseMLAttention
 
-  check_divisible(model.config, tensor_parallel_size=mesh.shape[TENSOR], data_parallel_size=mesh.shape[DATA],
-                  expert_parallel=expert_parallel)
+  check_divisible(
+    model.config,
+    tensor_parallel_size=mesh.shape[TENSOR],
+    data_parallel_size=mesh.shape[DATA],
+    expert_parallel=expert_parallel,
+  )
   state = nnx.state(model)
   for path, var in nnx.to_flat_state(state):
     name = ".".join(map(str, path))
