@@ -4,6 +4,7 @@ Every public entry point takes ``implementation="pallas"`` (the kernel; interpre
 or ``"xla"`` (the reference). Measured numbers: ``docs/kernels.md``.
 """
 
+from pallas_kernels._common import device_shared_memory_bytes, gpu_kernel_implementation, resolve_implementation
 from pallas_kernels.cache_write import (
   decode_entries,
   encode_entries,
@@ -42,4 +43,8 @@ __all__ = [
   "sparse_mla_decode_reference",
   "compute_step_metadata",
   "compute_step_metadata_reference",
+  # What "auto" means on this device, and the device's shared memory (kernel tiles).
+  "resolve_implementation",
+  "gpu_kernel_implementation",
+  "device_shared_memory_bytes",
 ]

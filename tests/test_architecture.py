@@ -53,6 +53,32 @@ def test_imports_read_top_to_bottom():
   assert {f: n for f, n in core.items() if any(x.startswith(("jaxkv.engine", "pallas_kernels")) for x in n)} == {}
 
 
+def test_no_package_imports_another_packages_private_module():
+  """jaxkv, models and pallas_kernels reach each other through public names only (a package's
+  ``__init__`` exports them): no ``pkg._private`` module and no ``_private`` name of another package."""
+
+  def private(module: str, names: tuple[str, ...] = ()) -> bool:
+    return any(part.startswith("_") and part != "__future__" for part in module.split(".")) or any(
+      n.startswith("_") for n in names
+    )
+
+  offenders = []
+  for package in ("jaxkv", "models", "pallas_kernels"):
+    for path in (ROOT / package).rglob("*.py"):
+      for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+          found = [(a.name, ()) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+          found = [(node.module, tuple(a.name for a in node.names))]
+        else:
+          continue
+        for module, names in found:
+          if module.split(".")[0] in ("jaxkv", "models", "pallas_kernels") and module.split(".")[0] != package:
+            if private(module, names):
+              offenders.append(f"{path.relative_to(ROOT)}: {module} {names}")
+  assert offenders == []
+
+
 def test_step_maps_kernel_blocks_through_the_attention_groups(monkeypatch):
   """One metadata computation per step, its spec taken from the plan's attention groups (on the
   CPU through the jnp reference, whose table mapping is counted here)."""

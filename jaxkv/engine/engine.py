@@ -37,7 +37,7 @@ from jaxkv.kv_offload import DiskTier, HostTier, OffloadingConnector, SwapSpace,
 from jaxkv.kv_cache_report import render_plan
 from jaxkv.step_inputs import StepInputs
 from jaxkv.step_metadata import StepMetadataSpec
-from pallas_kernels._common import gpu_kernel_implementation
+from pallas_kernels import gpu_kernel_implementation
 from pallas_kernels.step_metadata import compute_step_metadata
 
 __all__ = ["EngineConfig", "LLMEngine"]

@@ -36,7 +36,7 @@ from jaxkv.step_inputs import StepInputs
 from models.glm5_next.config import Glm5NextConfig
 from models.glm5_next.model import Glm5NextForCausalLM, KimiDeltaAttention
 from pallas_kernels.cache_write import encode_entries, write_to_paged_cache
-from pallas_kernels._common import gpu_kernel_implementation
+from pallas_kernels import gpu_kernel_implementation
 from pallas_kernels.kda_recurrence import fused_recurrent_kda
 from pallas_kernels.kpool import kpool_compress_and_write
 from pallas_kernels.paged_mqa_logits import paged_mqa_logits, paged_mqa_logits_stages

@@ -23,7 +23,7 @@ from models.glm5_next.kv_cache import get_kv_cache_layers
 from models.glm5_next.model import Glm5NextForCausalLM
 from models.glm5_next.paged import PagedLayout, kernel_fallbacks, paged_hidden_states, paged_mtp_forward
 from models.glm5_next.sharding import check_divisible, per_device_weight_bytes, shard_model
-from pallas_kernels._common import device_shared_memory_bytes, resolve_implementation
+from pallas_kernels import device_shared_memory_bytes, resolve_implementation
 from pallas_kernels.grouped_matmul import prepare_grouped_matmul
 from pallas_kernels.step_metadata import compute_step_metadata
 
