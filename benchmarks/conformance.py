@@ -186,7 +186,7 @@ def runner_for(model: str, dtype: str, implementation: str):
 
 def run_cell(model: str, cell: dict) -> dict:
   from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
-  from jaxkv.kv_cache_config import CacheConfig
+  from jaxkv.cache.kv_cache_config import CacheConfig
 
   _, _, _, _, memory, max_len, budget, buckets = MODELS[model]
   row = {"model": model, **cell}
@@ -223,7 +223,7 @@ def run_cell(model: str, cell: dict) -> dict:
       row["tokens"] = [r.output_token_ids for r in outs]
       row["logprobs"] = [[[[int(i), float(v)] for i, v in step] for step in r.output_logprobs] for r in outs]
       row["cached_tokens"] = [r.num_cached_tokens for r in outs]
-      row["xla_kernels"] = list(engine._statics.layout.xla_kernels)
+      row["xla_kernels"] = list(engine.executor.statics.layout.xla_kernels)
       row["warnings"] = sorted({str(w.message)[:200] for w in caught if issubclass(w.category, RuntimeWarning)})
   except Exception as e:  # a cell that cannot start or serve is a failing cell, with its error
     row["error"] = f"{type(e).__name__}: {str(e)[:600]}"

@@ -41,7 +41,7 @@ def main() -> int:
   import numpy as np
 
   from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams, get_model_family
-  from jaxkv.kv_cache_config import CacheConfig
+  from jaxkv.cache.kv_cache_config import CacheConfig
 
   family = get_model_family("glm5_next")
   config = family.builtin_config(args.config)
@@ -78,7 +78,7 @@ def main() -> int:
   for _ in range(10):
     engine.step()
   waited = [0.0]
-  read_back = engine._read_back
+  read_back = engine.executor.read_back
 
   def timed_read_back(out):
     t = time.perf_counter()
@@ -87,7 +87,7 @@ def main() -> int:
     finally:
       waited[0] += time.perf_counter() - t
 
-  engine._read_back = timed_read_back
+  engine.executor.read_back = timed_read_back
   lat = []
   for _ in range(args.steps):
     t = time.perf_counter()
@@ -111,7 +111,7 @@ def main() -> int:
     "step_ms_p50": step_ms,
     "host_ms_per_step": host_ms,
     "wait_ms_per_step": waited[0] / args.steps * 1e3,
-    "param_leaves": len(engine._param_leaves),
+    "param_leaves": len(engine.executor.param_leaves),
   }
   print(json.dumps(result))
   print(text.getvalue())

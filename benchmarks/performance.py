@@ -248,7 +248,7 @@ def main() -> int:
     jax.config.update("jax_explain_cache_misses", True)
   from jaxkv.engine import EngineConfig, LLMEngine, get_model_family
   from jaxkv.engine.benchmark import benchmark_decode, decode_new_tokens
-  from jaxkv.kv_cache_config import CacheConfig
+  from jaxkv.cache.kv_cache_config import CacheConfig
   import numpy as np
 
   bandwidth, gemm = copy_bandwidth(), gemm_rate()

@@ -46,7 +46,7 @@ def main() -> int:
   import numpy as np
 
   from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams, get_model_family
-  from jaxkv.kv_cache_config import CacheConfig
+  from jaxkv.cache.kv_cache_config import CacheConfig
 
   family = get_model_family("glm5_next")
   config = family.builtin_config(args.config)

@@ -27,57 +27,64 @@ def _check_sibling_packages() -> None:
 
 _check_sibling_packages()
 
-from jaxkv.attention_backend import (
-  AttentionBackend,
-  customize_attention_spec,
-  is_block_size_supported,
-  select_common_block_size,
-)
-from jaxkv.attention_group import AttentionGroup
-from jaxkv.block_copy import BlockRegion, BlockRegions, copy_blocks, gather_blocks, scatter_blocks
-from jaxkv.block_pool import BlockPool, KVCacheBlock
-from jaxkv.block_table import BlockTable, MultiGroupBlockTable, get_block_table_width
-from jaxkv.kernel_blocks import map_to_kernel_blocks
-from jaxkv.kernel_view import KernelView
-from jaxkv.kv_cache_config import (
+from jaxkv.cache import (
   LAYOUTS,
+  AttentionBackend,
+  AttentionGroup,
+  AttentionSpec,
   CacheConfig,
+  CircularBufferSpec,
+  FullAttentionSpec,
+  KernelView,
   KVCacheConfig,
   KVCacheGroupSpec,
   KVCacheLayer,
-  KVCacheTensor,
-  plan_kv_cache,
-)
-from jaxkv.kv_cache_report import render_plan
-from jaxkv.kv_cache_manager import (
-  CircularBufferManager,
-  FullAttentionManager,
-  KVCacheManager,
-  LinearAttentionStateManager,
-  SingleTypeKVCacheManager,
-  SlidingWindowManager,
-  hash_block_tokens,
-)
-from jaxkv.kv_cache_spec import (
-  AttentionSpec,
-  CircularBufferSpec,
-  FullAttentionSpec,
   KVCacheSpec,
+  KVCacheTensor,
   LinearAttentionStateSpec,
   MLAAttentionSpec,
   MultipleOf,
   SlidingWindowSpec,
+  customize_attention_spec,
+  is_block_size_supported,
+  plan_kv_cache,
+  render_plan,
+  select_common_block_size,
 )
-from jaxkv.step_inputs import StepInputs
-from jaxkv.step_metadata import KernelTableGroup, SlotGroup, StepMetadata, StepMetadataSpec
-from jaxkv.utils import cdiv, round_up
-from jaxkv.slot_mapping import (
+from jaxkv.host import (
+  BlockPool,
+  BlockTable,
+  CircularBufferManager,
+  FullAttentionManager,
+  KVCacheBlock,
+  KVCacheManager,
+  LinearAttentionStateManager,
+  MultiGroupBlockTable,
+  SingleTypeKVCacheManager,
+  SlidingWindowManager,
+  get_block_table_width,
+  hash_block_tokens,
+)
+from jaxkv.step import (
   PAD_SLOT_ID,
+  BlockRegion,
+  BlockRegions,
+  KernelTableGroup,
+  SlotGroup,
+  StepInputs,
+  StepMetadata,
+  StepMetadataSpec,
   compute_circular_slot_mapping,
   compute_compressed_slot_mapping,
   compute_slot_mapping,
+  copy_blocks,
+  gather_blocks,
+  map_group_to_kernel_blocks,
+  map_to_kernel_blocks,
   req_indices_from_query_start_loc,
+  scatter_blocks,
 )
+from jaxkv.utils import cdiv, round_up
 
 __version__ = "0.1.0"
 
@@ -106,7 +113,7 @@ __all__ = [
   "RequestOutput",
   "CompletionOutput",
   "Logprob",
-  # Specs
+  # The cache layer (jaxkv.cache): specs
   "KVCacheSpec",
   "AttentionSpec",
   "FullAttentionSpec",
@@ -131,7 +138,7 @@ __all__ = [
   "KVCacheTensor",
   "plan_kv_cache",
   "render_plan",
-  # Host bookkeeping
+  # The host layer (jaxkv.host)
   "BlockPool",
   "KVCacheBlock",
   "KVCacheManager",
@@ -144,19 +151,20 @@ __all__ = [
   "BlockTable",
   "MultiGroupBlockTable",
   "get_block_table_width",
-  # Jitted functions
+  # The step layer (jaxkv.step): jitted functions
   "PAD_SLOT_ID",
   "compute_slot_mapping",
   "compute_circular_slot_mapping",
   "compute_compressed_slot_mapping",
   "req_indices_from_query_start_loc",
   "map_to_kernel_blocks",
+  "map_group_to_kernel_blocks",
   "StepInputs",
   "StepMetadata",
   "StepMetadataSpec",
   "SlotGroup",
   "KernelTableGroup",
-  # Whole manager blocks on the device (prefix-cache checkpoints, offload, swap: jaxkv.kv_offload)
+  # Whole manager blocks on the device (prefix-cache checkpoints, offload, swap: jaxkv.engine.offload)
   "BlockRegion",
   "BlockRegions",
   "copy_blocks",

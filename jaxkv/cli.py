@@ -11,8 +11,8 @@ import sys
 import time
 
 from jaxkv.engine.model_runner import get_model_family
-from jaxkv.kv_cache_config import CacheConfig, plan_kv_cache
-from jaxkv.kv_cache_report import render_plan
+from jaxkv.cache.kv_cache_config import CacheConfig, plan_kv_cache
+from jaxkv.cache.kv_cache_report import render_plan
 
 __all__ = ["main", "build_parser"]
 
@@ -193,7 +193,7 @@ def cmd_inspect(args) -> int:
     if per_device:
       sys.stdout.write(_render_per_device(per_device))
   if args.plot:
-    from jaxkv.kv_cache_plot import plot_block
+    from jaxkv.cache.kv_cache_plot import plot_block
 
     try:
       plot_block(plan, args.plot)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Int, UInt8
 
-from jaxkv.kernel_view import KernelView
+from jaxkv.cache.kernel_view import KernelView
 from jaxkv.utils import cdiv
 from pallas_kernels._common import (
   FP8_DTYPE,

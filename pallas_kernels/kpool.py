@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int, UInt8
 
-from jaxkv.kernel_view import KernelView
+from jaxkv.cache.kernel_view import KernelView
 from pallas_kernels._common import (
   FP8_DTYPE,
   check_byte_addressable,

@@ -25,8 +25,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int, UInt8
 
-from jaxkv.kernel_view import KernelView
-from jaxkv.slot_mapping import block_slots
+from jaxkv.cache.kernel_view import KernelView
+from jaxkv.step.slot_mapping import block_slots
 from jaxkv.utils import cdiv
 from pallas_kernels._common import (
   FP8_DTYPE,

@@ -1,7 +1,7 @@
 """Step metadata in one launch: every group's slots and every attention group's kernel-block table.
 
 From the step's manager-unit block tables, block counts, request indices and positions, one
-Pallas (Triton-lowered) launch writes what ``jaxkv.step_metadata`` describes:
+Pallas (Triton-lowered) launch writes what ``jaxkv.step.step_metadata`` describes:
 
 * the first ``(T / BT) * rows`` programs each take ``BT`` tokens and one slot row: manager-unit
   slots of a token group (padding and DCP as ``compute_slot_mapping``), ring slots of a circular
@@ -14,7 +14,7 @@ Pallas (Triton-lowered) launch writes what ``jaxkv.step_metadata`` describes:
 
 Every gather is bounded: a token's column ``p // block_size`` is read only when it is inside the
 row and below the row's block count, and a padded or invalid token gets -1 (never a read past a
-row). The formulas are ``jaxkv.slot_mapping``'s own (``token_slots``, ``circular_slots``,
+row). The formulas are ``jaxkv.step.slot_mapping``'s own (``token_slots``, ``circular_slots``,
 ``compressed_slots``), applied to refs. ``"xla"`` is the reference: the public jnp functions
 (``compute_slot_mapping`` and friends, ``map_to_kernel_blocks``) one group at a time, which XLA
 fuses into a few kernels.
@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Int
 
-from jaxkv.kernel_blocks import map_to_kernel_blocks
-from jaxkv.slot_mapping import (
+from jaxkv.step.kernel_blocks import map_to_kernel_blocks
+from jaxkv.step.slot_mapping import (
   circular_slots,
   compressed_slots,
   compute_circular_slot_mapping,
@@ -39,7 +39,7 @@ from jaxkv.slot_mapping import (
   split_block_lookup,
   token_slots,
 )
-from jaxkv.step_metadata import StepMetadata, StepMetadataSpec
+from jaxkv.step.step_metadata import StepMetadata, StepMetadataSpec
 from pallas_kernels._common import default_interpret, pow2_chunks, resolve_implementation
 
 __all__ = ["compute_step_metadata", "compute_step_metadata_reference"]

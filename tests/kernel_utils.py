@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import (
+  map_group_to_kernel_blocks,
   CacheConfig,
   MultiGroupBlockTable,
   compute_circular_slot_mapping,
@@ -91,7 +92,7 @@ def slots_for(plan, tables, batch, layer_name):
   if not spec.uses_slot_mapping:
     return compute_circular_slot_mapping(table, reqs, pos, ring_size=spec.block_size)
   if spec.tokens_per_state > 1:
-    kt = ag.map_to_kernel_block_table(table)
+    kt = map_group_to_kernel_blocks(ag, table)
     return compute_compressed_slot_mapping(
       kt,
       counts * ag.blocks_per_kernel_block,

@@ -163,7 +163,7 @@ def main() -> int:
     )
     warm = engine.warmup()
     # Each cache array's row bytes: whole, and on one device (KDA states split by head: a share).
-    cache_rows = {n: [a.shape[1], a.addressable_shards[0].data.shape[1]] for n, a in engine.caches.items()}
+    cache_rows = {n: [a.shape[1], a.addressable_shards[0].data.shape[1]] for n, a in engine.executor.caches.items()}
     if c["mtp"]:
       rng = np.random.default_rng(0)
       reqs = engine.generate(

@@ -2,8 +2,11 @@
 attention groups, one plan from one options object, equal engines share compiled steps."""
 
 import ast
+import gc
 import pathlib
+import weakref
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -12,7 +15,7 @@ import pallas_kernels.step_metadata
 from jaxkv import StepMetadataSpec
 from jaxkv.cli import main
 from jaxkv.engine import SamplingParams
-from jaxkv.kernel_blocks import map_to_kernel_blocks_reference
+from jaxkv.step.kernel_blocks import map_to_kernel_blocks_reference
 from models.glm5_next import Glm5NextForCausalLM
 from models.glm5_next.runner import Glm5NextRunner
 from test_engine_equivalence import CFG, LLMEngine, cfg, prompts, runner
@@ -34,7 +37,9 @@ def imports_of(package: str) -> dict[str, set[str]]:
 
 
 def test_imports_read_top_to_bottom():
-  """engine -> model -> core and kernels; nothing imports back up."""
+  """The folders are layers: cache (static records) <- host (bookkeeping) and step (jitted
+  functions) <- engine <- entry points and CLI; models and kernels sit beside the engine, which
+  reaches them only through the runner protocol and the registry. Nothing imports back up."""
 
   def offenders(package, forbidden):
     return {
@@ -43,14 +48,15 @@ def test_imports_read_top_to_bottom():
       if any(n == p or n.startswith(p + ".") for n in names for p in forbidden)
     }
 
-  assert offenders("jaxkv", ["models"]) == {}  # the engine and the CLI find models through the registry
-  assert offenders("models", ["jaxkv.engine", "jaxkv.cli"]) == {}
-  assert offenders("pallas_kernels", ["models", "jaxkv.engine", "jaxkv.cli"]) == {}
-  # The entry points (LLM, the server) sit on the engine, the CLI on both; the engine imports neither.
-  top = ("jaxkv/engine", "jaxkv/cli", "jaxkv/entrypoints")
-  assert offenders("jaxkv/engine", ["jaxkv.entrypoints", "jaxkv.cli"]) == {}
-  core = {f: n for f, n in imports_of("jaxkv").items() if not f.startswith(top)}
-  assert {f: n for f, n in core.items() if any(x.startswith(("jaxkv.engine", "pallas_kernels")) for x in n)} == {}
+  above_core = ["jaxkv.engine", "jaxkv.entrypoints", "jaxkv.cli", "pallas_kernels", "models"]
+  assert offenders("jaxkv/cache", ["jaxkv.host", "jaxkv.step", *above_core]) == {}
+  assert offenders("jaxkv/host", ["jaxkv.step", *above_core]) == {}
+  assert offenders("jaxkv/step", ["jaxkv.host", *above_core]) == {}
+  # The engine finds models through the registry and their kernels through the runner.
+  assert offenders("jaxkv/engine", ["jaxkv.entrypoints", "jaxkv.cli", "pallas_kernels", "models"]) == {}
+  assert offenders("jaxkv", ["models", "pallas_kernels"]) == {}
+  assert offenders("models", ["jaxkv.engine", "jaxkv.entrypoints", "jaxkv.cli"]) == {}
+  assert offenders("pallas_kernels", ["models", "jaxkv.engine", "jaxkv.host", "jaxkv.entrypoints", "jaxkv.cli"]) == {}
 
 
 def test_no_package_imports_another_packages_private_module():
@@ -93,9 +99,9 @@ def test_step_maps_kernel_blocks_through_the_attention_groups(monkeypatch):
   # A bucket no other test compiles, so the step is traced here.
   engine = LLMEngine(runner(), cfg(layout="dense", kernel_block_size=64, buckets=(40,), max_num_batched_tokens=40))
   split = [(i, ag) for i, ag in enumerate(engine.plan.attention_groups) if ag.kernel_block_size]
-  assert split and all(t is None for i, t in enumerate(engine.kernel_tables) if i not in dict(split))
-  spec = engine._statics.metadata_spec
-  assert spec == StepMetadataSpec.from_plan(engine.plan, implementation="xla")
+  assert split and all(t is None for i, t in enumerate(engine.executor.kernel_tables) if i not in dict(split))
+  spec = engine.executor.statics.metadata_spec
+  assert spec == StepMetadataSpec.from_plan(engine.plan, implementation="auto")  # the runner resolves "auto"
   assert [a for a, _ in split] == list(spec.mapped_groups)
   for i, p in enumerate(prompts()):
     engine.add_request(str(i), p, SamplingParams(max_tokens=8))
@@ -104,14 +110,14 @@ def test_step_maps_kernel_blocks_through_the_attention_groups(monkeypatch):
   mapped = [(ag.blocks_per_kernel_block, ag.stride) for ag in spec.attention_groups if ag.mapped or ag.compressed]
   assert sorted(calls) == sorted(mapped)
   for _ in range(3):
-    before = engine.kernel_tables
+    before = engine.executor.kernel_tables
     engine.step()
     for i, ag in split:
       assert before[i].is_deleted()  # the persistent buffer was donated and rewritten
       want = map_to_kernel_blocks_reference(
         engine.tables[ag.kv_cache_group_id].block_table, ag.blocks_per_kernel_block, ag.stride
       )
-      np.testing.assert_array_equal(np.asarray(engine.kernel_tables[i]), want)
+      np.testing.assert_array_equal(np.asarray(engine.executor.kernel_tables[i]), want)
   assert len(calls) == len(mapped)  # steady steps reuse the one trace
 
 
@@ -144,15 +150,34 @@ def test_inspect_and_the_engine_print_the_same_plan(capsys):
   assert "Raise --memory-gib to at least" in err and "--max-model-len" in err and "memory_bytes" not in err
 
 
-def test_equal_engines_share_compiled_steps():
+def test_equal_engines_share_compiled_steps_and_count_their_own():
   other = Glm5NextRunner.from_model(Glm5NextForCausalLM(CFG, rngs=nnx.Rngs(1)))  # other weights, same graph
   assert other == runner() and hash(other) == hash(runner())
-  a, b = LLMEngine(runner(), cfg()), LLMEngine(other, cfg())
-  assert a._statics is b._statics
+  config = cfg(buckets=(48,), max_num_batched_tokens=48)  # a bucket no other test compiles
+  a, b = LLMEngine(runner(), config), LLMEngine(other, config)
+  assert a.executor.statics is b.executor.statics
   a.generate([prompts()[0]], SamplingParams(max_tokens=2))
-  compiled = a.num_compilations
+  assert a.num_compilations == 1  # its one bucket, whatever other tests compiled before
   out = b.generate([prompts()[0]], SamplingParams(max_tokens=2))
-  assert b.num_compilations == compiled and len(out[0].output_token_ids) == 2
+  assert b.num_compilations == 0 and len(out[0].output_token_ids) == 2  # a's executable
+  assert a.generate([prompts()[1]], SamplingParams(max_tokens=2)) and a.num_compilations == 1
+
+
+def test_dropping_an_engine_frees_its_weights_and_caches():
+  """Nothing process-wide holds an engine's arrays: jit's cache keys the step by the runner without
+  its weights (``ModelRunner.with_params(None)``)."""
+  gc.collect()
+  live_before = sum(a.nbytes for a in jax.live_arrays())
+  engine = LLMEngine(Glm5NextRunner.from_model(Glm5NextForCausalLM(CFG, rngs=nnx.Rngs(2))), cfg())
+  engine.generate([prompts()[0]], SamplingParams(max_tokens=2))
+  weight = weakref.ref(jax.tree.leaves(engine.runner.params)[0])
+  cache = weakref.ref(next(iter(engine.executor.caches.values())))
+  held = sum(a.nbytes for a in jax.live_arrays()) - live_before
+  assert held > sum(x.nbytes for x in engine.executor.param_leaves)
+  del engine
+  gc.collect()
+  assert weight() is None and cache() is None
+  assert sum(a.nbytes for a in jax.live_arrays()) <= live_before
 
 
 @pytest.mark.parametrize(

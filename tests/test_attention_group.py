@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxkv import (
+  map_group_to_kernel_blocks,
   AttentionBackend,
   AttentionGroup,
   FullAttentionSpec,
@@ -50,7 +51,7 @@ def test_packed_compressed_group_gets_restrided_kernel_table():
   group, view = bind(group, arena.shape)
   assert group.kernel_block_stride == 5 and view.stride == 5
   assert view.row_bytes == 64 * ROW and view.base_row == 0 and view.kernel_page_bytes == 64 * ROW
-  kt = group.map_to_kernel_block_table(jnp.array([[0, 2]], jnp.int32))
+  kt = map_group_to_kernel_blocks(group, jnp.array([[0, 2]], jnp.int32))
   np.testing.assert_array_equal(kt, [[0, 1, 2, 3, 10, 11, 12, 13]])
   # Pages 10..13, flattened, are manager block 2's 256 states.
   pages = rows_of(arena, view)[np.asarray(kt[0, 4:])].reshape(-1)
@@ -63,7 +64,7 @@ def test_split_group_keeps_dense_stride():
   group, view = bind(group, cache.shape)
   assert view.row_bytes == cache.shape[1] and view.base_row == 0 and group.stride == 4
   np.testing.assert_array_equal(
-    group.map_to_kernel_block_table(jnp.array([[0, 2]], jnp.int32)), [[0, 1, 2, 3, 8, 9, 10, 11]]
+    map_group_to_kernel_blocks(group, jnp.array([[0, 2]], jnp.int32)), [[0, 1, 2, 3, 8, 9, 10, 11]]
   )
 
 
@@ -88,7 +89,7 @@ def test_packed_offset_layer_addresses_its_own_pages():
   arena = jnp.asarray(rng.integers(0, 256, (3, 384 * ROW), dtype=np.uint8))
   group, view = bind(group, arena.shape, page_offset_bytes=64 * ROW)  # another layer's page first
   assert group.kernel_block_stride == 6 and view.base_row == 1
-  kt = np.asarray(group.map_to_kernel_block_table(jnp.array([[1]], jnp.int32)))
+  kt = np.asarray(map_group_to_kernel_blocks(group, jnp.array([[1]], jnp.int32)))
   got = rows_of(arena, view)[view.base_row + kt[0]].reshape(-1)
   np.testing.assert_array_equal(got, np.asarray(arena)[1, 64 * ROW : 320 * ROW])
 
@@ -103,7 +104,7 @@ def test_no_split_without_kernel_size():
   group = AttentionGroup.create(AttentionBackend("any"), ("l",), spec, 0)
   assert group.kernel_block_size is None and group.stride == 1
   table = jnp.array([[3, 4]], jnp.int32)
-  assert group.map_to_kernel_block_table(table) is table
+  assert map_group_to_kernel_blocks(group, table) is table
 
 
 def test_group_is_frozen_and_resolved_once():
@@ -122,7 +123,7 @@ def test_persistent_kernel_table_is_donated_and_rewritten():
   buf = group.init_kernel_block_table(4, 2)
   for _ in range(3):
     table = jnp.asarray(rng.permutation(8)[:6].reshape(3, 2).astype(np.int32))
-    out = group.map_to_kernel_block_table(table, buf)
+    out = map_group_to_kernel_blocks(group, table, buf)
     assert buf.is_deleted() and out.shape == (4, 8)
     np.testing.assert_array_equal(np.asarray(out)[:3], (np.asarray(table)[:, :, None] * 5 + np.arange(4)).reshape(3, 8))
     buf = out

@@ -186,7 +186,7 @@ def test_inspect_plot_draws_a_block(tmp_path, capsys):
     == 0
   )
   assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-  from jaxkv.kv_cache_plot import block_segments
+  from jaxkv.cache.kv_cache_plot import block_segments
   from kernel_utils import tiny_plan
 
   _, plan = tiny_plan(layout="packed", block_size=256)

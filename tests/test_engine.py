@@ -71,15 +71,16 @@ def test_warmup_compiles_every_bucket_and_writes_nothing():
   engine = LLMEngine(runner(), cfg(max_num_batched_tokens=32, num_speculative_tokens=2, buckets=None))
   rng = np.random.default_rng(0)
   # Poisoned caches, placed as the engine places its own (committed to its device).
-  engine.caches = {
-    k: jax.device_put(rng.integers(0, 256, v.shape, dtype=np.uint8), v.sharding) for k, v in engine.caches.items()
+  engine.executor.caches = {
+    k: jax.device_put(rng.integers(0, 256, v.shape, dtype=np.uint8), v.sharding)
+    for k, v in engine.executor.caches.items()
   }
-  before = {k: np.asarray(v) for k, v in engine.caches.items()}
+  before = {k: np.asarray(v) for k, v in engine.executor.caches.items()}
   assert engine.config.token_buckets == (8, 16, 32)
   fresh = engine.num_compilations
   warm = engine.warmup()  # equal engines share executables: a bucket compiled before is reused
   assert 0 <= warm - fresh <= 3
-  for k, v in engine.caches.items():
+  for k, v in engine.executor.caches.items():
     assert np.array_equal(np.asarray(v), before[k]), k
   engine.generate(prompts(), SamplingParams(max_tokens=6))
   assert engine.num_compilations == warm
@@ -191,7 +192,7 @@ def test_abort_from_another_thread_waits_for_the_step_in_progress():
   engine = LLMEngine(runner(), cfg(async_scheduling=False))
   a = engine.add_request("a", prompts()[0], SamplingParams(max_tokens=6))
   b = engine.add_request("b", prompts()[1], SamplingParams(max_tokens=6))
-  read_back, aborter = engine._read_back, threading.Thread(target=engine.abort, args=("a",))
+  read_back, aborter = engine.executor.read_back, threading.Thread(target=engine.abort, args=("a",))
 
   def read_back_while_aborting(out):
     aborter.start()
@@ -199,10 +200,10 @@ def test_abort_from_another_thread_waits_for_the_step_in_progress():
     assert aborter.is_alive()  # the abort waits for the step
     return read_back(out)
 
-  engine._read_back = read_back_while_aborting
+  engine.executor.read_back = read_back_while_aborting
   engine.step()
   aborter.join()
-  del engine._read_back
+  del engine.executor.read_back
   assert a.status == RequestStatus.ABORTED and len(a.output_token_ids) == 1  # the step finished first
   while engine.has_unfinished():
     engine.step()

@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jaxkv import (
+  map_group_to_kernel_blocks,
   AttentionBackend,
   AttentionGroup,
   KernelTableGroup,
@@ -22,7 +23,7 @@ from jaxkv import (
   compute_slot_mapping,
   map_to_kernel_blocks,
 )
-from jaxkv.kernel_blocks import map_to_kernel_blocks_reference
+from jaxkv.step.kernel_blocks import map_to_kernel_blocks_reference
 from pallas_kernels import compute_step_metadata
 
 MODES = ["jit", "eager"]
@@ -138,7 +139,7 @@ def test_packed_compressed_round_trip(mode, batch, extra_pages, lead_pages):
 
   def slots_of(group, P, ratio):
     with run_mode(mode):
-      kt = group.map_to_kernel_block_table(jnp.asarray(batch["table"]))
+      kt = map_group_to_kernel_blocks(group, jnp.asarray(batch["table"]))
       return np.asarray(
         compute_compressed_slot_mapping(
           kt,

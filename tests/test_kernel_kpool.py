@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkv import map_group_to_kernel_blocks
 from kernel_utils import build_batch, group_of, random_tables, slots_for, tiny_plan
 from pallas_kernels.kpool import combine_pool, kpool_compress_and_write, read_indexer_entries
 
@@ -98,7 +99,7 @@ def test_chunked_compression_matches_whole_sequence_pooling(layout, cache_dtype,
   P = idx_ag.states_per_kernel_page
   arena = run["arrays"][idx_b.tensor]
   gid = idx_b.kv_cache_group_id
-  kt = np.asarray(idx_ag.map_to_kernel_block_table(jnp.asarray(run["tables"][gid].block_table)))
+  kt = np.asarray(map_group_to_kernel_blocks(idx_ag, jnp.asarray(run["tables"][gid].block_table)))
   for r, n in enumerate(lengths):
     num_pools = n // kpool
     if not num_pools:

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv import KernelTableGroup, SlotGroup, StepMetadataSpec
+from jaxkv import KernelTableGroup, SlotGroup, StepMetadataSpec, map_group_to_kernel_blocks
 from kernel_utils import build_batch, random_tables, slots_for, tiny_plan
 from pallas_kernels import compute_step_metadata, compute_step_metadata_reference
 
@@ -195,7 +195,7 @@ def test_real_plans_match_the_slots_each_writer_used(layout):
     if ag.kernel_block_size is not None:
       np.testing.assert_array_equal(
         np.asarray(meta.kernel_block_tables[view.attention_group_id]),
-        np.asarray(ag.map_to_kernel_block_table(bt[view.kv_cache_group_id])),
+        np.asarray(map_group_to_kernel_blocks(ag, bt[view.kv_cache_group_id])),
       )
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from jaxkv import CacheConfig
 from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
-from jaxkv.kv_offload import DiskTier, HostTier, offload_fingerprint
+from jaxkv.engine.offload import DiskTier, HostTier, offload_fingerprint
 from test_engine_equivalence import runner
 from test_prefix_caching import BS, SAMPLING, prompts
 
@@ -228,7 +228,7 @@ def test_host_tier_counts_whole_transfers_within_capacity():
 def test_offload_admission_reserves_before_touching():
   """Free blocks that are the device's own prefix blocks are not free for loads: a hit that would
   need them is a miss, never 'Cannot get 1 free blocks' out of step()."""
-  from jaxkv.kv_cache_manager import LinearAttentionStateManager
+  from jaxkv.host.kv_cache_manager import LinearAttentionStateManager
 
   e = engine(enable_prefix_caching=True, kv_offload="host", kv_offload_bytes=64 << 20)
   e.generate([PROMPT], SAMPLING)
@@ -328,11 +328,11 @@ def test_fingerprint_covers_every_weight_element():
 def test_swap_in_with_fewer_blocks_than_swapped_out():
   """A request preempted with a block held for rejected draft positions is re-admitted with one
   block fewer in that group: its tokens' blocks are restored, nothing else is written."""
-  from jaxkv.kv_offload import SwapSpace
+  from jaxkv.engine.offload import SwapSpace
 
   e = engine(k=3)
   rng = np.random.default_rng(5)
-  caches = {n: jnp.asarray(rng.integers(0, 256, a.shape, dtype=np.uint8)) for n, a in e.caches.items()}
+  caches = {n: jnp.asarray(rng.integers(0, 256, a.shape, dtype=np.uint8)) for n, a in e.executor.caches.items()}
   before = {n: np.asarray(a) for n, a in caches.items()}
   groups = len(e.plan.kv_cache_groups)
   swap = SwapSpace(e.plan, 1 << 30)

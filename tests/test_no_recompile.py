@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import MultiGroupBlockTable, compute_circular_slot_mapping, compute_slot_mapping, map_to_kernel_blocks
-from jaxkv.slot_mapping import req_indices_from_query_start_loc
+from jaxkv.step.slot_mapping import req_indices_from_query_start_loc
 
 MAX_REQS, WIDTH, NUM_TOKENS, BS, BPK = 8, 16, 64, 64, 4
 

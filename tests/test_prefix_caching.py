@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxkv import CacheConfig, KVCacheManager, plan_kv_cache
-from jaxkv.block_copy import (
+from jaxkv.step.block_copy import (
   BlockRegions,
   copy_blocks,
   copy_blocks_reference,
@@ -23,7 +23,7 @@ from jaxkv.block_copy import (
   scatter_blocks,
 )
 from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
-from jaxkv.kv_cache_spec import CircularBufferSpec, LinearAttentionStateSpec, MLAAttentionSpec
+from jaxkv.cache.kv_cache_spec import CircularBufferSpec, LinearAttentionStateSpec, MLAAttentionSpec
 from models.glm5_next import get_kv_cache_layers
 from test_engine_equivalence import CFG, runner
 

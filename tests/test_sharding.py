@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxkv import CacheConfig
-from jaxkv.kv_cache_config import plan_kv_cache
+from jaxkv.cache.kv_cache_config import plan_kv_cache
 from jaxkv.cli import main
 from models.glm5_next import get_config, get_kv_cache_layers
 from models.glm5_next.runner import FAMILY

@@ -16,7 +16,7 @@ from jaxkv import (
   map_to_kernel_blocks,
   req_indices_from_query_start_loc,
 )
-from jaxkv.slot_mapping import circular_slots, compressed_slots, split_block_lookup, token_slots
+from jaxkv.step.slot_mapping import circular_slots, compressed_slots, split_block_lookup, token_slots
 
 
 def i32(x):

@@ -3,9 +3,9 @@ drafts (latents, pooled keys, tail ring, KDA states), bitwise equivalence across
 speculation, the rejection sampler's acceptance rule and distribution.
 
 With random weights the MTP layer's drafts are almost never accepted, so the rollback would only
-ever see "everything rejected". ``ForcedDraftEngine`` replaces them (through the engine's
-``_next_drafts`` seam) with the true greedy continuation, corrupted at chosen draft indices, so
-every acceptance length 0..k occurs.
+ever see "everything rejected". ``ForcedDrafts`` (the engine's ``DraftProposer``) replaces them
+with the true greedy continuation, corrupted at chosen draft indices, so every acceptance length
+0..k occurs.
 
 Tolerance, stated: with speculation the head runs on ``max_num_reqs x (1 + k)`` rows instead of
 ``max_num_reqs``, another matmul shape, so log-probabilities may round differently from the
@@ -26,7 +26,7 @@ from jaxkv import CacheConfig
 from jaxkv.engine import SamplingParams
 from jaxkv.engine import sampler
 from jaxkv.engine.sampler import sample
-from jaxkv.kv_cache_manager import KVCacheManager
+from jaxkv.host.kv_cache_manager import KVCacheManager
 from models.glm5_next import Glm5NextForCausalLM, get_kv_cache_layers
 from models.glm5_next.runner import Glm5NextRunner
 from test_engine_equivalence import CFG, LLMEngine, assert_close_runs, baseline, cfg, model, prompts, run, runner
@@ -34,18 +34,17 @@ from test_engine_equivalence import CFG, LLMEngine, assert_close_runs, baseline,
 LONG = SamplingParams(max_tokens=12, logprobs=5)
 
 
-class ForcedDraftEngine(LLMEngine):
+@dataclasses.dataclass
+class ForcedDrafts:
   """Drafts the known greedy continuation, except at draft indices where ``corrupt(step, i)``."""
 
-  def __init__(self, *args, truth, corrupt=lambda step, i: False, **kw):
-    super().__init__(*args, **kw)
-    self.truth = truth  # request prompt -> greedy output tokens
-    self.corrupt = corrupt
+  truth: dict  # request prompt -> greedy output tokens
+  corrupt: object = lambda step, i: False
 
-  def _next_drafts(self, request, drafts):
+  def propose(self, request, model_drafts, *, step):
     done = len(request.output_token_ids)
-    want = self.truth[tuple(request.prompt_token_ids)][done : done + len(drafts)]
-    return [(t + 1) % CFG.vocab_size if self.corrupt(self.num_steps, i) else t for i, t in enumerate(want)]
+    want = self.truth[tuple(request.prompt_token_ids)][done : done + len(model_drafts)]
+    return [(t + 1) % CFG.vocab_size if self.corrupt(step, i) else t for i, t in enumerate(want)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,7 +54,7 @@ def long_baseline():
 
 def forced_run(k, corrupt, sampling=LONG, config=None):
   truth = {tuple(p): t for p, (t, _) in zip(prompts(), long_baseline())}
-  engine = ForcedDraftEngine(runner(), config or cfg(num_speculative_tokens=k), truth=truth, corrupt=corrupt)
+  engine = LLMEngine(runner(), config or cfg(num_speculative_tokens=k), draft_proposer=ForcedDrafts(truth, corrupt))
   reqs = engine.generate(prompts(), sampling)
   return [(r.output_token_ids, r.output_logprobs) for r in reqs], engine
 
@@ -256,7 +255,7 @@ def test_seeded_sampling_with_accepted_drafts_survives_preemption():
     num_speculative_tokens=2,
     memory_bytes=probe.plan.bytes_per_block * (1 + 3 * (state_blocks + 1) + 1),
   )
-  engine = ForcedDraftEngine(runner(), tight, truth=truth)
+  engine = LLMEngine(runner(), tight, draft_proposer=ForcedDrafts(truth))
   got = engine.generate(long_prompts, sampling)
   assert engine.scheduler.num_preemptions > 0 and engine.num_accepted_tokens > 0
   assert [r.output_token_ids for r in got] == [r.output_token_ids for r in plain]

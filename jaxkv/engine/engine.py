@@ -1,44 +1,35 @@
-"""The decode engine: a jitted step over bucketed fixed shapes, with the caches donated.
+"""The engine's host side: requests, scheduling, block bookkeeping and outputs.
 
-Host bookkeeping (scheduler, block pool, block tables, sampling metadata) is NumPy and Python; each
-step sends one tuple of arrays to the device and brings one tuple back. The device step runs the
-model's paged forward over the step's tokens and samples every request row. Its shapes are fixed
-per token bucket (``token_buckets``; the request dimension is always ``max_num_reqs``), so after
-one compilation per bucket nothing compiles: ``num_compilations`` counts them. jit's cache of
-compiled executables plays the role of vLLM's CUDA graphs.
+``LLMEngine`` plays vLLM's ``EngineCore``: the scheduler, the KV-cache manager, the block tables,
+the offload connector and swap space are NumPy and Python on the host; each step it lays the
+scheduled chunks out in one int32 buffer and hands it to its ``StepExecutor``
+(``jaxkv.engine.step_executor``: the caches, the weights and the jitted step on the device), which
+makes one transfer each way.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
-import math
 import secrets
 import threading
 from collections.abc import Iterable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 
-from jaxkv.block_copy import BlockRegions, copy_blocks, pad_block_ids
-from jaxkv.block_table import MultiGroupBlockTable
+from jaxkv.cache.kv_cache_config import CacheConfig
+from jaxkv.cache.kv_cache_report import render_plan
+from jaxkv.engine.draft_proposer import DraftProposer, ModelDraftProposer
 from jaxkv.engine.model_runner import ModelRunner, plan_for
-from jaxkv.engine.parallel import cache_shardings, make_mesh, replicated
-from jaxkv.engine.request import MAX_LOGPROBS, PromptLogprob, Request, RequestStatus, SamplingParams, StepOutput, is_int
-from jaxkv.engine.sampler import logprob_stats, sample
+from jaxkv.engine.offload import DiskTier, HostTier, OffloadingConnector, SwapSpace, offload_fingerprint
+from jaxkv.engine.parallel import make_mesh
+from jaxkv.engine.request import PromptLogprob, Request, RequestStatus, SamplingParams, StepOutput, is_int
 from jaxkv.engine.scheduler import Scheduler
-from jaxkv.kv_cache_config import CacheConfig
-from jaxkv.kv_cache_manager import KVCacheManager
-from jaxkv.kv_cache_spec import LinearAttentionStateSpec
-from jaxkv.kv_offload import DiskTier, HostTier, OffloadingConnector, SwapSpace, offload_fingerprint
-from jaxkv.kv_cache_report import render_plan
-from jaxkv.step_inputs import StepInputs
-from jaxkv.step_metadata import StepMetadataSpec
-from pallas_kernels import gpu_kernel_implementation
-from pallas_kernels.step_metadata import compute_step_metadata
+from jaxkv.engine.step_executor import TOKEN_FIELDS, PackedInputs, StepExecutor
+from jaxkv.host.block_table import MultiGroupBlockTable
+from jaxkv.host.kv_cache_manager import KVCacheManager
+from jaxkv.step.block_copy import BlockRegions
 
 __all__ = ["EngineConfig", "LLMEngine"]
 
@@ -68,13 +59,13 @@ class EngineConfig:
       outputs of the step before. Tokens and log-probabilities are identical to synchronous
       steps. Applies without speculative tokens (a verify step needs the accepted count).
     step_metadata_implementation: how each step's slot mappings and kernel-block tables are
-      computed (``compute_step_metadata``): ``"auto"`` (the Pallas kernel on a GPU, and on the
-      CPU when the runner's kernels are ``"pallas"``; else the jnp functions), ``"pallas"`` or
-      ``"xla"``. Identical integers either way.
+      computed (the runner's ``compute_step_metadata``): ``"auto"`` (as the runner resolves it:
+      GLM's runner takes the Pallas kernel on a GPU, and on the CPU when its kernels are
+      ``"pallas"``), ``"pallas"`` or ``"xla"``. Identical integers either way.
     enable_prefix_caching: reuse the cached blocks of earlier prompts with the same prefix, KDA
-      states included (checkpointed at block boundaries; ``jaxkv.kv_cache_manager``). Outputs are
+      states included (checkpointed at block boundaries; ``jaxkv.host.kv_cache_manager``). Outputs are
       bitwise those of a cold run; ``Request.num_cached_tokens`` says what was reused.
-    kv_offload: a second level for the prefix cache (``jaxkv.kv_offload``): ``"host"`` (host
+    kv_offload: a second level for the prefix cache (``jaxkv.engine.offload``): ``"host"`` (host
       memory) or ``"disk"`` (``kv_offload_dir``, survives a restart); None: off. Needs prefix
       caching. ``kv_offload_bytes``: the tier's capacity (least recently used blocks evicted).
     preemption_mode: ``"recompute"`` (a preempted request's blocks are freed and recomputed) or
@@ -154,252 +145,6 @@ class EngineConfig:
     return tuple(b) + (self.max_num_batched_tokens,)
 
 
-# Per-token fields of the packed step input, with their padding values.
-_TOKEN_FIELDS = {"input_ids": 0, "prev_token_index": -1, "positions": 0, "req_indices": -1, "next_ids": -1}
-
-
-@dataclasses.dataclass(frozen=True)
-class _PackedInputs:
-  """Where each per-step input lives in the one int32 buffer sent to the device each step.
-
-  The host fills NumPy views of one buffer (float fields as their float32 bits) and makes one
-  transfer; the step slices it back by these static offsets. Host dispatch cost per step is then
-  one ``device_put`` instead of one per array.
-  """
-
-  num_tokens: int
-  num_reqs: int
-  widths: tuple[int, ...]
-  num_drafts: int
-  prompt_logprobs: bool = False  # the step also returns every token's next-token log-probs
-
-  @functools.cached_property
-  def fields(self) -> dict[str, tuple[int, tuple[int, ...], int]]:
-    """name -> (offset, shape, default); float fields are named ``*_f32``."""
-    t, r, k = self.num_tokens, self.num_reqs, self.num_drafts
-    spec = [(name, (t,), default) for name, default in _TOKEN_FIELDS.items()]
-    spec += [(f"table{g}", (r, w), 0) for g, w in enumerate(self.widths)]
-    spec += [(f"count{g}", (r,), 0) for g in range(len(self.widths))]
-    spec += [
-      ("state_slots", (r,), 0),
-      ("sample_indices", (r, 1 + k), -1),
-      ("draft_ids", (r, k), 0),
-      ("num_drafts", (r,), 0),
-      ("temperature_f32", (r,), 0.0),
-      ("top_p_f32", (r,), 1.0),
-      ("top_k", (r,), 0),
-      ("seeds", (r,), 0),
-      ("steps", (r,), 0),
-    ]
-    out, at = {}, 0
-    for name, shape, default in spec:
-      out[name] = (at, shape, default)
-      at += math.prod(shape)
-    return out
-
-  @functools.cached_property
-  def template(self) -> np.ndarray:
-    buf = np.zeros(sum(math.prod(s) for _, s, _ in self.fields.values()), np.int32)
-    for name, view in self.host_views(buf).items():
-      view[...] = self.fields[name][2]
-    return buf
-
-  def host_views(self, buf: np.ndarray) -> dict[str, np.ndarray]:
-    views = {}
-    for name, (at, shape, _) in self.fields.items():
-      v = buf[at : at + math.prod(shape)].reshape(shape)
-      views[name] = v.view(np.float32) if name.endswith("_f32") else v
-    return views
-
-  def device_views(self, arr: jax.Array) -> dict[str, jax.Array]:
-    views = {}
-    for name, (at, shape, _) in self.fields.items():
-      v = arr[at : at + math.prod(shape)].reshape(shape)
-      views[name] = jax.lax.bitcast_convert_type(v, jnp.float32) if name.endswith("_f32") else v
-    return views
-
-
-def _pack_outputs(*arrays) -> jax.Array:
-  """One int32 vector of the step's outputs (float32 as bits): one transfer back."""
-  return jnp.concatenate(
-    [(jax.lax.bitcast_convert_type(a, jnp.int32) if a.dtype == jnp.float32 else a).ravel() for a in arrays]
-  )
-
-
-def _unpack_outputs(flat: np.ndarray, shapes) -> list[np.ndarray]:
-  out, at = [], 0
-  for shape, dtype in shapes:
-    n = math.prod(shape)
-    out.append(flat[at : at + n].view(dtype).reshape(shape))
-    at += n
-  return out
-
-
-class _StepStatics:
-  """The step's static argument: the runner, the plan's layout and step-metadata spec, the drafts.
-
-  Hashed once (a Flax graph takes milliseconds to hash) and interned, so every step of every
-  engine with equal settings finds its compiled executable by identity.
-  """
-
-  _interned: dict = {}
-
-  def __init__(
-    self,
-    runner: ModelRunner,
-    layout,
-    metadata_spec: StepMetadataSpec,
-    num_speculative_tokens: int,
-    params_treedef,
-    replicated: NamedSharding | None = None,
-    cache_shardings: dict[str, NamedSharding] | None = None,
-  ):
-    self.runner, self.layout, self.metadata_spec = runner, layout, metadata_spec
-    self.num_speculative_tokens = num_speculative_tokens
-    self.params_treedef = params_treedef
-    self.replicated = replicated  # on a mesh: the tables' and outputs' one copy per device
-    self.cache_shardings = cache_shardings  # on a mesh: each cache's placement
-    shardings_key = None if cache_shardings is None else tuple(sorted(cache_shardings.items()))
-    self._key = (runner, layout, metadata_spec, num_speculative_tokens, params_treedef, replicated, shardings_key)
-    self._hash = hash(self._key)
-
-  @classmethod
-  def intern(cls, *args) -> _StepStatics:
-    statics = cls(*args)
-    return cls._interned.setdefault(statics, statics)
-
-  def __hash__(self):
-    return self._hash
-
-  def __eq__(self, other):
-    return self is other or (isinstance(other, _StepStatics) and self._hash == other._hash and self._key == other._key)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4))
-def _device_step(statics: _StepStatics, packing: _PackedInputs, param_leaves, caches, kernel_tables, packed, prev_out):
-  """Unpacks the step's one input buffer; returns the packed outputs, the caches, the kernel tables.
-
-  ``prev_out``: the previous step's packed outputs, still on the device. A token whose id the host
-  does not know yet (sampled by the step in flight) names its place there in ``prev_token_index``.
-  """
-  v = packing.device_views(packed)
-  groups = range(len(packing.widths))
-  src = v["prev_token_index"]
-  input_ids = jnp.where(src >= 0, prev_out[jnp.maximum(src, 0)], v["input_ids"])
-  inputs = StepInputs(
-    input_ids,
-    v["positions"],
-    v["req_indices"],
-    tuple(v[f"table{g}"] for g in groups),
-    tuple(v[f"count{g}"] for g in groups),
-    None,
-    v["state_slots"],
-  )  # metadata: _step's first act
-  params = jax.tree.unflatten(statics.params_treedef, param_leaves)
-  out, plp, caches, kernel_tables = _step(
-    statics,
-    params,
-    caches,
-    kernel_tables,
-    inputs,
-    v["sample_indices"],
-    v["next_ids"],
-    v["draft_ids"],
-    v["num_drafts"],
-    v["temperature_f32"],
-    v["top_p_f32"],
-    v["top_k"],
-    v["seeds"],
-    v["steps"],
-    prompt_logprobs=packing.prompt_logprobs,
-  )
-  out, plp = _pack_outputs(*out), None if plp is None else _pack_outputs(*plp)
-  if statics.replicated is not None:
-    # Whatever XLA's partitioner chose inside, the step's state leaves as it came: the next step
-    # then finds the same input shardings (no recompilation) and its donated buffers fit.
-    out, plp, kernel_tables = jax.lax.with_sharding_constraint((out, plp, kernel_tables), statics.replicated)
-    caches = {name: jax.lax.with_sharding_constraint(c, statics.cache_shardings[name]) for name, c in caches.items()}
-  return out, plp, caches, kernel_tables
-
-
-def _step(
-  statics: _StepStatics,
-  params,
-  caches,
-  kernel_tables,
-  inputs: StepInputs,
-  sample_indices,
-  next_ids,
-  draft_ids,
-  num_drafts,
-  temperature,
-  top_p,
-  top_k,
-  seeds,
-  steps,
-  *,
-  prompt_logprobs: bool = False,
-):
-  """The step's metadata, the trunk over the step's tokens, verification and sampling of each
-  sampling row, then the drafts for the next step.
-
-  ``kernel_tables``: each attention group's persistent kernel-block table (None without a split),
-  donated and rewritten with the slot mappings by ``compute_step_metadata`` from this step's
-  manager tables: one mapping for every step (normal, padding-only warm-up, verification and
-  drafting).
-  ``sample_indices [R, S]``: flat indices of a row's tokens whose logits are sampled (its last
-  token and its drafts; -1: none). ``next_ids [T]``: the token after each step token when the host
-  knows it (-1: the token sampled here). Returns ``(tokens [R, S], num_accepted [R], top-k
-  log-probabilities and ids [R, S, K], drafts [R, k], the tokens' log-probabilities and ranks
-  [R, S])``, with ``prompt_logprobs`` every token's
-  next-token log-probs (``_next_token_logprobs``; else None), the caches and the kernel tables.
-  """
-  runner, layout = statics.runner, statics.layout
-  meta = compute_step_metadata(
-    inputs.block_tables,
-    inputs.num_blocks,
-    inputs.req_indices,
-    inputs.positions,
-    kernel_tables,
-    spec=statics.metadata_spec,
-  )
-  kernel_tables = meta.kernel_block_tables
-  inputs = dataclasses.replace(inputs, metadata=meta)
-  hidden, caches = runner.forward(params, caches, inputs, layout)
-  plp = _next_token_logprobs(runner, params, hidden, next_ids) if prompt_logprobs else None
-  logits = runner.compute_logits(params, hidden[jnp.maximum(sample_indices, 0)])  # [R, S, V]
-  tokens, num_accepted, top_lp, top_ids, token_lp, token_rank = sample(
-    logits, temperature, top_p, top_k, seeds, steps, draft_ids, num_drafts
-  )
-  k = statics.num_speculative_tokens
-  if k:
-    # The token after each step token is known on the host, or was just sampled (accepted drafts
-    # and the new token); drafts continue from each row's last accepted token.
-    t = next_ids.shape[0]
-    sampled = jnp.zeros((t,), jnp.int32).at[jnp.where(sample_indices >= 0, sample_indices, t)].set(tokens, mode="drop")
-    next_ids = jnp.where(next_ids >= 0, next_ids, sampled)
-    last = jnp.take_along_axis(sample_indices, num_accepted[:, None], axis=1)[:, 0]  # [R]
-    draft_ids, caches = runner.propose_drafts(params, caches, hidden, next_ids, inputs, last, layout, num_drafts=k)
-  return (tokens, num_accepted, top_lp, top_ids, draft_ids, token_lp, token_rank), plp, caches, kernel_tables
-
-
-# Tokens whose LM head runs at once in ``_next_token_logprobs``: bounds its [rows, vocabulary]
-# float32 logits (a 2,048-token step of a 154k vocabulary would take 1.3 GB at once).
-_LOGPROB_ROWS = 128
-
-
-def _next_token_logprobs(runner, params, hidden, next_ids):
-  """For each step token ``t``: the log-prob of the token after it (``next_ids [T]``, where the
-  host knows it) and its rank among the vocabulary (1: most probable; ties count for the token),
-  and the top ``MAX_LOGPROBS`` log-probs ``[T, K]`` with their ids (the sampler's ``logprob_stats``)."""
-
-  def one(h, target):
-    top_lp, top_ids, target_lp, rank = logprob_stats(runner.compute_logits(params, h[None])[0], jnp.maximum(target, 0))
-    return target_lp, rank, top_lp, top_ids
-
-  return jax.lax.map(lambda x: one(*x), (hidden, next_ids), batch_size=min(_LOGPROB_ROWS, hidden.shape[0]))
-
-
 class LLMEngine:
   """Serves many requests of one model over the paged caches of ``jaxkv``.
 
@@ -411,14 +156,20 @@ class LLMEngine:
       exactly as ``jaxkv inspect`` plans it.
   """
 
-  def __init__(self, runner: ModelRunner, config: EngineConfig = EngineConfig()):
+  def __init__(
+    self,
+    runner: ModelRunner,
+    config: EngineConfig = EngineConfig(),
+    *,
+    draft_proposer: DraftProposer = ModelDraftProposer(),
+  ):
     self.config = config
     # On a mesh: the weights placed by the model's sharding rules; everything else replicated.
     self.mesh = make_mesh(config.tensor_parallel_size, config.data_parallel_size) if config.num_devices > 1 else None
     if self.mesh is not None:
       runner = runner.shard(self.mesh, expert_parallel=config.enable_expert_parallel)
-    self._replicated = replicated(self.mesh)
     self.runner = runner
+    self.draft_proposer = draft_proposer
     k = config.num_speculative_tokens
     if config.max_model_len > runner.max_model_len:
       raise ValueError(
@@ -451,49 +202,17 @@ class LLMEngine:
       connector=self.connector,
       swap=self.swap,
     )
-    self._cache_shardings = cache_shardings(self.plan, self.mesh)
-    # The state the step carries (caches, kernel tables) is committed to its device from the start,
-    # on one device too: a swap-in's or a load's device_put commits the caches, and a step whose
-    # arguments change from uncommitted to committed compiles again (another signature).
-    one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    self._placement = self._replicated or one_device  # the step's inputs and outputs
-    self.caches = self.plan.allocate(self._cache_shardings or {t.name: one_device for t in self.plan.tensors})
-    self.kernel_tables = jax.device_put(self.plan.init_kernel_block_tables(config.max_num_reqs), self._placement)
-    # Prefix caching's state checkpoints and restores: whole state blocks copied on the device, at
-    # most one per request row and state group per call (one compiled shape).
-    state_groups = [g for g, grp in enumerate(groups) if isinstance(grp.kv_cache_spec, LinearAttentionStateSpec)]
-    self._state_regions = BlockRegions.from_plan(self.plan, state_groups) if state_groups else None
-    self._max_block_copies = config.max_num_reqs * len(state_groups)
-    # The weights as a flat tuple of arrays: jit flattens it in C++ each step (a Flax State takes
-    # Python calls per variable).
-    self._param_leaves, treedef = jax.tree.flatten(runner.params)
-    self._param_leaves = tuple(self._param_leaves)
-    meta_impl = config.step_metadata_implementation
-    if meta_impl == "auto":  # the runner's kernel switch: the kernel on a GPU, or when it asks for Pallas
-      meta_impl = gpu_kernel_implementation(getattr(runner, "implementation", "xla"))
-    meta_spec = StepMetadataSpec.from_plan(self.plan, implementation=meta_impl)
-    self._statics = _StepStatics.intern(
-      runner, runner.paged_layout(self.plan), meta_spec, k, treedef, self._replicated, self._cache_shardings
+    self.executor = StepExecutor(
+      runner,
+      self.plan,
+      max_num_reqs=config.max_num_reqs,
+      num_speculative_tokens=k,
+      step_metadata_implementation=config.step_metadata_implementation,
+      mesh=self.mesh,
     )
-    self._packings: dict[int, _PackedInputs] = {}  # by token bucket
-    s, top = 1 + k, min(MAX_LOGPROBS, runner.vocab_size)
-    r = config.max_num_reqs
-    # The tokens first: the next step reads a token in flight at its place here (prev_token_index).
-    self._out_shapes = [
-      ((r, s), np.int32),
-      ((r,), np.int32),
-      ((r, s, top), np.float32),
-      ((r, s, top), np.int32),
-      ((r, k), np.int32),
-      ((r, s), np.float32),
-      ((r, s), np.int32),
-    ]
     self._async = config.async_scheduling and k == 0
     # The step in flight (async scheduling): its chunks and its packed outputs, not yet read back.
     self._in_flight: tuple[list, jax.Array] | None = None
-    self._prev_out = jax.device_put(
-      jnp.zeros(sum(math.prod(shape) for shape, _ in self._out_shapes), jnp.int32), self._placement
-    )
     self._requests: dict[str, Request] = {}
     self._lock = threading.RLock()  # one step at a time; add_request and abort wait for it
     self._arrivals = itertools.count()
@@ -529,9 +248,9 @@ class LLMEngine:
 
   @property
   def num_compilations(self) -> int:
-    """Compiled shapes of the step in this process (one per settings and token bucket used; engines
-    with equal settings share them; steady state adds none)."""
-    return _device_step._cache_size()
+    """Step shapes this engine compiled (one per token bucket used; none for a bucket an engine with
+    equal settings compiled before: they share it; steady state adds none)."""
+    return self.executor.num_compilations
 
   # -- requests ------------------------------------------------------------------------------
 
@@ -598,7 +317,7 @@ class LLMEngine:
     Returns ``num_compilations``."""
     for bucket in self.config.token_buckets:
       for plp in (False, True)[: 1 + prompt_logprobs]:
-        self._read_back(self._launch([], bucket, prompt_logprobs=plp)[0])
+        self.executor.read_back(self._launch([], bucket, prompt_logprobs=plp)[0])
     self._copy_blocks([], warmup=True)
     return self.num_compilations
 
@@ -612,12 +331,13 @@ class LLMEngine:
       chunks = self.scheduler.schedule()
       # Before the step, in this order: preempted blocks out (before their new owners write them),
       # offloaded prefix blocks and swapped blocks in, then hits' KDA states into their slots.
+      ex = self.executor
       if self.swap is not None:
-        self.swap.start_swap_out(self.caches)
+        self.swap.start_swap_out(ex.caches)
       if self.connector is not None:
-        self.caches = self.connector.start_load_kv(self.caches)
+        ex.caches = self.connector.start_load_kv(ex.caches)
       if self.swap is not None:
-        self.caches = self.swap.start_swap_in(self.caches)
+        ex.caches = self.swap.start_swap_in(ex.caches)
       self._copy_blocks(self.kv.take_block_copies())
       out, failed = None, []
       if chunks:
@@ -627,9 +347,9 @@ class LLMEngine:
         self._cache_blocks(chunks)
       errors = [self._fail(req, err) for req, err in failed]
       if not self._async:
-        return errors + (self._update(chunks, *self._read_back(out)) if chunks else [])
+        return errors + (self._update(chunks, *ex.read_back(out)) if chunks else [])
       previous, self._in_flight = self._in_flight, (chunks, out) if chunks else None
-      return errors + (self._update(previous[0], *self._read_back(previous[1])) if previous else [])
+      return errors + (self._update(previous[0], *ex.read_back(previous[1])) if previous else [])
 
   def _cache_blocks(self, chunks) -> None:
     """Indexes the blocks the step just computed and checkpoints KDA states that end on a block
@@ -645,14 +365,13 @@ class LLMEngine:
     self._copy_blocks(copies)
     newly_cached = self.kv.take_newly_cached()
     if self.connector is not None:  # after the checkpoint copies: they are among the blocks saved
-      self.connector.save_kv(self.caches, newly_cached)
+      self.connector.save_kv(self.executor.caches, newly_cached)
 
   def _copy_blocks(self, pairs: list[tuple[int, int]], *, warmup: bool = False) -> None:
-    """Dispatches KDA state block copies (``warmup``: an all-padding call, to compile it)."""
-    if self._state_regions is None or not self.kv.enable_caching or not (pairs or warmup):
-      return
-    src, dst = pad_block_ids(pairs, self._max_block_copies)
-    self.caches = copy_blocks(self.caches, src, dst, regions=self._state_regions)
+    """Dispatches prefix caching's KDA state block copies (``warmup``: an all-padding call, to
+    compile it)."""
+    if self.kv.enable_caching:
+      self.executor.copy_blocks(pairs, warmup=warmup)
 
   def _fail(self, request: Request, error: Exception) -> StepOutput:
     request.error = f"{type(error).__name__}: {error}"
@@ -666,17 +385,11 @@ class LLMEngine:
     a request that asks for them, or ``prompt_logprobs``) without waiting for them (None when no
     chunk could be laid out), the chunks laid out, and ``(request, error)`` for the others, whose
     tokens stay padding."""
-    cfg = self.config
-    k = cfg.num_speculative_tokens
-    r = cfg.max_num_reqs
+    k = self.config.num_speculative_tokens
     prompt_logprobs = prompt_logprobs or any(
       c.request.sampling.prompt_logprobs is not None and c.start < len(c.request.prompt_token_ids) - 1 for c in chunks
     )
-    packing = self._packings.get((bucket, prompt_logprobs))
-    if packing is None:
-      packing = self._packings[bucket, prompt_logprobs] = _PackedInputs(
-        bucket, r, tuple(bt.width for bt in self.tables.block_tables), k, prompt_logprobs
-      )
+    packing = self.executor.packing(bucket, prompt_logprobs)
     buf = packing.template.copy()
     v = packing.host_views(buf)
     laid_out, failed = [], []
@@ -692,25 +405,19 @@ class LLMEngine:
     for g, bt in enumerate(self.tables.block_tables):
       v[f"table{g}"][...] = bt.block_table
       v[f"count{g}"][...] = bt.num_blocks_per_row
-    packed = jax.device_put(buf, self._placement)  # one host-to-device transfer for the whole step
-    out, plp, self.caches, self.kernel_tables = _device_step(
-      self._statics, packing, self._param_leaves, self.caches, self.kernel_tables, packed, self._prev_out
-    )
-    self._prev_out = out
-    for a in (out, plp) if plp is not None else (out,):
-      a.copy_to_host_async()  # the read-back then waits only for the step, not for a transfer after it
+    out = self.executor.launch(packing, buf)
     if self._async:
       for c in laid_out:
         if c.samples:
           c.request.num_in_flight += 1
           c.request.in_flight_row = c.request.row
-    return (out, plp), laid_out, failed
+    return out, laid_out, failed
 
   @staticmethod
-  def _clear(packing: _PackedInputs, v, c) -> None:
+  def _clear(packing: PackedInputs, v, c) -> None:
     """Back to padding: the chunk's tokens and its request's row fields."""
     for name, (_, _, default) in packing.fields.items():
-      if name in _TOKEN_FIELDS:
+      if name in TOKEN_FIELDS:
         v[name][c.offset : c.offset + c.num_tokens] = default
       elif not name.startswith(("table", "count")):  # the block tables are the host's, whole
         v[name][c.request.row] = default
@@ -742,22 +449,6 @@ class LLMEngine:
       v["top_k"][req.row] = req.sampling.top_k
       v["seeds"][req.row] = req.seed
       v["steps"][req.row] = len(req.output_token_ids) + req.num_in_flight
-
-  def _read_back(self, out: tuple[jax.Array, jax.Array | None]) -> list:
-    """The step's outputs (one transfer back), then its prompt log-probs (``_next_token_logprobs``'s
-    four arrays, or None)."""
-    flat, plp = jax.device_get(out)
-    if plp is not None:
-      top = min(MAX_LOGPROBS, self.runner.vocab_size)
-      t = plp.size // (2 + 2 * top)
-      plp = _unpack_outputs(
-        np.asarray(plp), [((t,), np.float32), ((t,), np.int32), ((t, top), np.float32), ((t, top), np.int32)]
-      )
-    return _unpack_outputs(np.asarray(flat), self._out_shapes) + [plp]
-
-  def _next_drafts(self, request: Request, drafts: list[int]) -> list[int]:
-    """The drafts to verify next step (the MTP layer's); a seam for tests that force drafts."""
-    return drafts
 
   def _update(
     self, chunks, tokens, num_accepted, top_lp, top_ids, drafts, token_lp, token_rank, plp
@@ -810,7 +501,8 @@ class LLMEngine:
       elif k:
         # No draft past the last token the request may emit (its verify step emits drafts + 1).
         room = req.sampling.max_tokens - len(req.output_token_ids) - 1
-        req.spec_token_ids = self._next_drafts(req, [int(x) for x in drafts[row, : min(k, room)]])
+        model_drafts = [int(x) for x in drafts[row, : min(k, room)]]
+        req.spec_token_ids = self.draft_proposer.propose(req, model_drafts, step=self.num_steps)
       prompt_lps = list(req.prompt_logprobs) if first and req.sampling.prompt_logprobs is not None else None
       outputs.append(
         StepOutput(

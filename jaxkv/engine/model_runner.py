@@ -7,7 +7,8 @@ on first use, as vLLM's model registry does).
 
 A runner is static configuration: it is hashed and compared as a ``jax.jit`` static argument, so
 two runners of equal structure (same graph, same implementation) share compiled steps; its
-``params`` pytree is passed to the step as an ordinary argument and takes no part in equality.
+``params`` pytree is passed to the step as an ordinary argument and takes no part in equality (the
+step's static key is ``with_params(None)``: jit's cache then holds no weights).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 
-from jaxkv.kv_cache_config import CacheConfig, KVCacheConfig, KVCacheLayer, plan_kv_cache
-from jaxkv.step_inputs import StepInputs
+from jaxkv.cache.kv_cache_config import CacheConfig, KVCacheConfig, KVCacheLayer, plan_kv_cache
+from jaxkv.step.step_inputs import StepInputs
+from jaxkv.step.step_metadata import StepMetadata, StepMetadataSpec
 
 __all__ = ["ModelRunner", "ModelFamily", "MODEL_REGISTRY", "get_model_family", "plan_for"]
 
@@ -41,6 +43,9 @@ class ModelRunner(Protocol):
   max_model_len: int
   dtype: str
 
+  def with_params(self, params) -> ModelRunner:
+    """The same model with other weights (``None``: none, the static part alone)."""
+
   def get_kv_cache_layers(self, cache_config: CacheConfig, *, tensor_parallel_size: int = 1) -> Sequence[KVCacheLayer]:
     """Every cache the model keeps (and its draft head when ``num_speculative_tokens`` > 0), as one
     device of a tensor split of ``tensor_parallel_size`` holds them (``KVCacheLayer.shards``)."""
@@ -50,6 +55,19 @@ class ModelRunner(Protocol):
 
   def paged_layout(self, plan: KVCacheConfig) -> Hashable:
     """The static, hashable facts of the plan the forward needs (each cache's ``KernelView``)."""
+
+  def compute_step_metadata(
+    self,
+    block_tables: Sequence[jax.Array],
+    num_blocks: Sequence[jax.Array],
+    req_indices: jax.Array,
+    positions: jax.Array,
+    kernel_block_tables: Sequence[jax.Array | None] | None = None,
+    *,
+    spec: StepMetadataSpec,
+  ) -> StepMetadata:
+    """The step's slot mappings and kernel-block tables (``jaxkv.step.step_metadata``) as the
+    model's kernels compute them; ``spec.implementation`` ``"auto"`` resolved by the model."""
 
   def forward(self, params, caches: dict[str, jax.Array], inputs: StepInputs, layout) -> tuple[jax.Array, dict]:
     """Hidden states ``[T, D]`` of the step's tokens and the updated caches."""

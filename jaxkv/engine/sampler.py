@@ -97,7 +97,7 @@ def logprob_stats(logits: Float[Array, "... V"], token_ids: Int[Array, "..."]):
   """The float32 log-softmax of ``logits``: its top ``MAX_LOGPROBS`` log-probs and their ids
   ``[..., K]`` (K = min(MAX_LOGPROBS, V)), and the log-prob ``[...]`` and rank ``[...]`` (1: most
   probable; ties count for the token) of ``token_ids``. The sampler's outputs, and the prompt
-  log-probs' (``jaxkv.engine.engine._next_token_logprobs``)."""
+  log-probs' (``jaxkv.engine.step_executor._next_token_logprobs``)."""
   logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   top_lp, top_ids = top_k_by_kernel(logprobs, min(MAX_LOGPROBS, logprobs.shape[-1]))
   token_lp = jnp.take_along_axis(logprobs, token_ids[..., None], axis=-1)

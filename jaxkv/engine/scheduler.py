@@ -17,9 +17,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from jaxkv.block_table import MultiGroupBlockTable
+from jaxkv.host.block_table import MultiGroupBlockTable
 from jaxkv.engine.request import Request, RequestStatus
-from jaxkv.kv_cache_manager import KVCacheManager
+from jaxkv.host.kv_cache_manager import KVCacheManager
 
 __all__ = ["Scheduler", "ScheduledChunk"]
 

@@ -19,7 +19,7 @@ from jaxkv.engine.engine import EngineConfig, LLMEngine
 from jaxkv.engine.model_runner import get_model_family
 from jaxkv.engine.request import SamplingParams, is_int
 from jaxkv.entrypoints.output_processor import SequenceState, engine_params, prompt_logprob_dicts
-from jaxkv.kv_cache_config import CacheConfig
+from jaxkv.cache.kv_cache_config import CacheConfig
 from jaxkv.outputs import RequestOutput
 from jaxkv.tokenizer import Tokenizer, builtin_tokenizer_dir
 

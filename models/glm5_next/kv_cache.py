@@ -7,9 +7,9 @@ entry per ``kpool`` tokens, read by paged MQA logits in 32/64-entry pages) and t
 
 from __future__ import annotations
 
-from jaxkv.attention_backend import AttentionBackend
-from jaxkv.kv_cache_config import CACHE_DTYPES, CacheConfig, KVCacheLayer
-from jaxkv.kv_cache_spec import CircularBufferSpec, LinearAttentionStateSpec, MLAAttentionSpec, MultipleOf
+from jaxkv.cache.attention_backend import AttentionBackend
+from jaxkv.cache.kv_cache_config import CACHE_DTYPES, CacheConfig, KVCacheLayer
+from jaxkv.cache.kv_cache_spec import CircularBufferSpec, LinearAttentionStateSpec, MLAAttentionSpec, MultipleOf
 from jaxkv.utils import cdiv, next_power_of_2
 from models.glm5_next.config import Glm5NextConfig
 from pallas_kernels.cache_write import entry_bytes

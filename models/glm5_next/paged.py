@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jaxkv.kernel_view import KernelView
-from jaxkv.kv_cache_config import KVCacheConfig
-from jaxkv.step_inputs import StepInputs
+from jaxkv.cache.kernel_view import KernelView
+from jaxkv.cache.kv_cache_config import KVCacheConfig
+from jaxkv.step.step_inputs import StepInputs
 from models.glm5_next.config import Glm5NextConfig
 from models.glm5_next.model import Glm5NextForCausalLM, KimiDeltaAttention
 from pallas_kernels.cache_write import encode_entries, write_to_paged_cache

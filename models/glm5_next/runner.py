@@ -15,17 +15,22 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxkv.kv_cache_config import CacheConfig, KVCacheConfig, plan_kv_cache
-from jaxkv.step_inputs import StepInputs
+from jaxkv.cache.kv_cache_config import CacheConfig, KVCacheConfig, plan_kv_cache
+from jaxkv.step.step_inputs import StepInputs
 from models.glm5_next.checkpoint import load_checkpoint
 from models.glm5_next.config import BUILTIN_CONFIGS, Glm5NextConfig, get_config, load_config
 from models.glm5_next.kv_cache import get_kv_cache_layers
 from models.glm5_next.model import Glm5NextForCausalLM
 from models.glm5_next.paged import PagedLayout, kernel_fallbacks, paged_hidden_states, paged_mtp_forward
 from models.glm5_next.sharding import check_divisible, per_device_weight_bytes, shard_model
-from pallas_kernels import device_shared_memory_bytes, resolve_implementation
+from jaxkv.step.step_metadata import StepMetadataSpec
+from pallas_kernels import (
+  compute_step_metadata,
+  device_shared_memory_bytes,
+  gpu_kernel_implementation,
+  resolve_implementation,
+)
 from pallas_kernels.grouped_matmul import prepare_grouped_matmul
-from pallas_kernels.step_metadata import compute_step_metadata
 
 __all__ = ["Glm5NextRunner", "FAMILY"]
 
@@ -54,6 +59,9 @@ class Glm5NextRunner:
     prepare_grouped_matmul("auto", model.embed_tokens[...].dtype)
     graphdef, params = nnx.split(model)
     return cls(graphdef, model.config, resolve_implementation(implementation), params)
+
+  def with_params(self, params) -> Glm5NextRunner:
+    return dataclasses.replace(self, params=params)
 
   @property
   def vocab_size(self) -> int:
@@ -91,6 +99,18 @@ class Glm5NextRunner:
   def _model(self, params) -> Glm5NextForCausalLM:
     return nnx.merge(self.graphdef, params)
 
+  def compute_step_metadata(
+    self, block_tables, num_blocks, req_indices, positions, kernel_block_tables=None, *, spec: StepMetadataSpec
+  ):
+    """``pallas_kernels.compute_step_metadata``; ``"auto"``: the kernel whenever on a GPU, and in
+    interpret mode on the CPU when this runner's kernels are Pallas (``gpu_kernel_implementation``)."""
+    impl = spec.implementation
+    if impl == "auto":
+      impl = gpu_kernel_implementation(self.implementation)
+    return compute_step_metadata(
+      block_tables, num_blocks, req_indices, positions, kernel_block_tables, spec=spec, implementation=impl
+    )
+
   def forward(self, params, caches, inputs: StepInputs, layout: PagedLayout):
     return paged_hidden_states(self._model(params), caches, inputs, layout, implementation=self.implementation)
 
@@ -113,7 +133,9 @@ class Glm5NextRunner:
     drafts = [jnp.argmax(model.logits(h), axis=-1).astype(jnp.int32)]
     for j in range(1, num_drafts):
       # Same block tables, new tokens: new slots, the step's kernel tables.
-      meta = compute_step_metadata(inputs.block_tables, inputs.num_blocks, rows, pos + j, spec=inputs.metadata.spec)
+      meta = self.compute_step_metadata(
+        inputs.block_tables, inputs.num_blocks, rows, pos + j, spec=inputs.metadata.spec
+      )
       meta = dataclasses.replace(meta, kernel_block_tables=inputs.metadata.kernel_block_tables)
       step = dataclasses.replace(inputs, input_ids=drafts[-1], positions=pos + j, req_indices=rows, metadata=meta)
       h, caches, _ = paged_mtp_forward(

@@ -9,7 +9,7 @@ import jax
 
 from jaxtyping import Array, Int
 
-from jaxkv.step_metadata import StepMetadata
+from jaxkv.step.step_metadata import StepMetadata
 
 __all__ = ["StepInputs"]
 

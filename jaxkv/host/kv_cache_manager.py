@@ -19,18 +19,21 @@ read from the ring again.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jaxkv.block_pool import BlockHash, BlockPool, KVCacheBlock
-from jaxkv.kv_cache_spec import (
+from jaxkv.host.block_pool import BlockHash, BlockPool, KVCacheBlock
+from jaxkv.cache.kv_cache_spec import (
   CircularBufferSpec,
   KVCacheSpec,
   LinearAttentionStateSpec,
   SlidingWindowSpec,
   cdiv,
 )
+
+# Whether another level of the cache (an offload tier) holds the block of ``(block hash, group id)``.
+Lookup = Callable[[BlockHash, int], bool]
 
 __all__ = [
   "SingleTypeKVCacheManager",
@@ -107,11 +110,15 @@ class SingleTypeKVCacheManager:
     self.num_cached_block[request_id] = max(start, end)
     return new
 
-  def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_blocks: int) -> list[KVCacheBlock]:
+  def find_longest_cache_hit(
+    self, block_hashes: Sequence[BlockHash], max_blocks: int, elsewhere: Lookup | None = None
+  ) -> list[KVCacheBlock | None]:
+    """The cached blocks of the longest hit, up to ``max_blocks``; None where only ``elsewhere``
+    (another level of the cache) holds the block."""
     hits = []
     for h in block_hashes[:max_blocks]:
       block = self.block_pool.get_cached_block(h, self.group_id)
-      if block is None:
+      if block is None and not (elsewhere is not None and elsewhere(h, self.group_id)):
         break
       hits.append(block)
     return hits
@@ -144,14 +151,15 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
       freed_cols.append(i)
     return sorted(freed_cols)
 
-  def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_blocks: int) -> list[KVCacheBlock]:
+  def find_longest_cache_hit(self, block_hashes, max_blocks, elsewhere=None):
     # Only the last cdiv(window - 1, bs) blocks before the hit point must be cached.
     need = cdiv(self.spec.sliding_window - 1, self.block_size)
     hits = [self.block_pool.null_block] * max_blocks
     run = 0
     for i in range(max_blocks - 1, -1, -1):
-      block = self.block_pool.get_cached_block(block_hashes[i], self.group_id) if i < len(block_hashes) else None
-      if block is None:
+      h = block_hashes[i] if i < len(block_hashes) else None
+      block = self.block_pool.get_cached_block(h, self.group_id) if h is not None else None
+      if block is None and not (h is not None and elsewhere is not None and elsewhere(h, self.group_id)):
         run = 0
         continue
       hits[i] = block
@@ -168,7 +176,7 @@ class _OneBlockPerRequestManager(SingleTypeKVCacheManager):
   def num_blocks_needed(self, num_tokens: int) -> int:
     return self.spec.max_num_blocks_per_req(num_tokens)
 
-  def find_longest_cache_hit(self, block_hashes, max_blocks):
+  def find_longest_cache_hit(self, block_hashes, max_blocks, elsewhere=None):
     return []
 
 
@@ -237,9 +245,7 @@ class LinearAttentionStateManager(_OneBlockPerRequestManager):
     checkpoint block)`` to copy, or None (already checkpointed, or no free block to spare)."""
     if self.get_checkpoint(block_hash) is not None or not self.block_pool.get_num_free_blocks():
       return None
-    (block,) = self.block_pool.get_new_blocks(1)
-    self.block_pool.cache_full_block(block, block_hash, self.group_id)
-    self.block_pool.free_blocks([block])  # free but findable: evicted in LRU order like cached blocks
+    block = self.block_pool.cache_free_block(block_hash, self.group_id)
     return self.req_to_blocks[request_id][self.state_column].block_id, block.block_id
 
   def cache_blocks(self, request_id, block_hashes, num_tokens):
@@ -309,33 +315,82 @@ class KVCacheManager:
       hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs]))
     return hashes
 
-  def get_computed_blocks(
-    self, request_id: str, token_ids: Sequence[int]
-  ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-    """Longest cached prefix of the prompt, per group, and its length in tokens.
+  def find_prefix_hit(self, request_id: str, token_ids: Sequence[int], *, elsewhere: Lookup | None = None) -> int:
+    """The one prefix-hit search: the hit's length in blocks.
 
     At least one token is always left to compute (its logits are needed). The hit ends at a block
-    boundary where every token group has its blocks and every state group a checkpoint. Per
-    group: the cached blocks (token groups), the checkpoint to restore (state groups), nothing
-    (rings).
+    boundary where every token group has its blocks and every state group a checkpoint; with a
+    draft layer, one block before the longest such run (``use_eagle``). A block counts when the
+    device indexes it or ``elsewhere(block_hash, group_id)`` says another level of the cache holds
+    it (``OffloadingConnector``'s tier).
     """
-    empty = tuple([] for _ in self.managers)
     if not self.enable_caching or len(token_ids) < 2:
-      return empty, 0
+      return 0
     hashes = self.block_hashes(request_id, token_ids)
     n = (len(token_ids) - 1) // self.hash_block_size
     # Shrink the token groups to their common length (a group's hit must end at a cached block).
     while n > 0:
-      hits = [m.find_longest_cache_hit(hashes, n) for m in self._token_managers]
-      if min(len(h) for h in hits) >= n:
+      lengths = [len(m.find_longest_cache_hit(hashes, n, elsewhere)) for m in self._token_managers]
+      if min(lengths) >= n:
         break
-      n = min(len(h) for h in hits)
+      n = min(lengths)
     if self.use_eagle:
       n = max(n - 1, 0)
-    while n > 0 and not all(m.get_checkpoint(hashes[n - 1]) for m in self._state_managers):
+
+    def has_checkpoint(m: LinearAttentionStateManager) -> bool:
+      h = hashes[n - 1]
+      return m.get_checkpoint(h) is not None or (elsewhere is not None and elsewhere(h, m.group_id))
+
+    while n > 0 and not all(has_checkpoint(m) for m in self._state_managers):
       n -= 1
+    return n
+
+  def cache_external_blocks(
+    self, request_id: str, token_ids: Sequence[int], num_blocks: int, elsewhere: Lookup
+  ) -> list[tuple[BlockHash, int, int]] | None:
+    """Makes a hit of ``num_blocks`` blocks (``find_prefix_hit`` with ``elsewhere``) a device hit:
+    the blocks only ``elsewhere`` holds are indexed in free device blocks, left free (the admission
+    that follows takes them like any cached block). The hit's device blocks are kept from eviction
+    while the free ones are taken. Returns ``(block hash, group, block id)`` for the caller to
+    write, or None when they do not fit in the free blocks (nothing changes: a miss, never an error).
+    """
+    hashes = self.block_hashes(request_id, token_ids)
+    # With a draft layer the admission drops the last block of its hit again: one more must be there.
+    span = num_blocks + 1 if self.use_eagle else num_blocks
+    keys, on_device = [], []
+    for m in self._token_managers:
+      for h, block in zip(hashes, m.find_longest_cache_hit(hashes, span, elsewhere)):
+        if block is None:
+          keys.append((h, m.group_id))
+        elif not block.is_null:
+          on_device.append(block)
+    for m in self._state_managers:
+      ckpt = m.get_checkpoint(hashes[num_blocks - 1])
+      if ckpt is None:
+        keys.append((hashes[num_blocks - 1], m.group_id))
+      else:
+        on_device.append(ckpt)
+    # Touching the hit's free device blocks takes them out of the free list: the new ones must fit
+    # in what is free after that.
+    touched_free = len({b.block_id for b in on_device if b.ref_cnt == 0})
+    if len(keys) > self.block_pool.get_num_free_blocks() - touched_free:
+      return None
+    self.block_pool.touch(on_device)
+    placed = [(h, g, self.block_pool.cache_free_block(h, g).block_id) for h, g in keys]
+    self.block_pool.free_blocks(on_device)
+    return placed
+
+  def get_computed_blocks(
+    self, request_id: str, token_ids: Sequence[int]
+  ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+    """Longest cached prefix of the prompt (``find_prefix_hit``), per group, and its length in
+    tokens. Per group: the cached blocks (token groups), the checkpoint to restore (state groups),
+    nothing (rings).
+    """
+    n = self.find_prefix_hit(request_id, token_ids)
     if n == 0:
-      return empty, 0
+      return tuple([] for _ in self.managers), 0
+    hashes = self.block_hashes(request_id, token_ids)
     out = []
     for m in self.managers:
       if isinstance(m, LinearAttentionStateManager):

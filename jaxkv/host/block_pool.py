@@ -98,6 +98,15 @@ class BlockPool:
     block.block_hash = key
     return True
 
+  def cache_free_block(self, block_hash: BlockHash, group_id: int) -> KVCacheBlock:
+    """A free block indexed under ``(block_hash, group_id)`` and left free: found by the next hit
+    search and evicted in LRU order like any cached block (state checkpoints, blocks loaded from an
+    offload tier). The caller writes its contents before anything can read it."""
+    (block,) = self.get_new_blocks(1)
+    self.cache_full_block(block, block_hash, group_id)
+    self.free_blocks([block])
+    return block
+
   def _evict(self, block: KVCacheBlock) -> None:
     if block.block_hash is not None:
       if self._cached.get(block.block_hash) is block:

@@ -28,11 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.block_copy import BlockRegions, gather_blocks, scatter_blocks
-from jaxkv.block_pool import BlockHash
-from jaxkv.kv_cache_config import KVCacheConfig
-from jaxkv.kv_cache_manager import KVCacheManager, LinearAttentionStateManager
-from jaxkv.kv_offload.tier import OffloadTier
+from jaxkv.step.block_copy import BlockRegions, gather_blocks, scatter_blocks
+from jaxkv.host.block_pool import BlockHash
+from jaxkv.cache.kv_cache_config import KVCacheConfig
+from jaxkv.host.kv_cache_manager import KVCacheManager
+from jaxkv.engine.offload.tier import OffloadTier
 from jaxkv.utils import next_power_of_2
 
 __all__ = ["KVConnectorBase", "OffloadingConnector", "offload_fingerprint", "pinned_host_put", "to_device"]
@@ -145,72 +145,29 @@ class OffloadingConnector(KVConnectorBase):
   # -- scheduler side ----------------------------------------------------------------------------
 
   def get_num_new_matched_tokens(self, kv: KVCacheManager, request_id: str, token_ids: Sequence[int]) -> int:
-    if not kv.enable_caching or len(token_ids) < 2:
+    read: dict[tuple[BlockHash, int], np.ndarray | None] = {}  # each tier entry read at most once
+
+    def in_tier(block_hash: BlockHash, group_id: int) -> bool:
+      key = (block_hash, group_id)
+      if key not in read:
+        read[key] = self._read(key)
+      return read[key] is not None
+
+    # The manager's one hit search, with the tier as a second level; then the tier's blocks of the
+    # hit are placed in free device blocks and loaded before the step.
+    end = kv.find_prefix_hit(request_id, token_ids, elsewhere=in_tier)
+    on_device = kv.find_prefix_hit(request_id, token_ids)
+    if end <= on_device:
       return 0
-    pool = kv.block_pool
-    hashes = kv.block_hashes(request_id, token_ids)
-    max_blocks = (len(token_ids) - 1) // kv.hash_block_size
-    token_groups = [m.group_id for m in kv.managers if not m.spec.is_state]
-    state_groups = [m.group_id for m in kv.managers if isinstance(m, LinearAttentionStateManager)]
-    # Token blocks: on the device, else read from the tier; the run ends at the first block neither has.
-    on_device, read = [], {}  # read: key -> (block index, bytes)
-    n = device_run = 0  # blocks found in all; leading blocks wholly on the device
-    for i in range(max_blocks):
-      found_all, on_device_all = True, True
-      for g in token_groups:
-        block = pool.get_cached_block(hashes[i], g)
-        if block is not None:
-          on_device.append(block)
-          continue
-        on_device_all = False
-        data = self._read((hashes[i], g))
-        if data is None:
-          found_all = False
-          break
-        read[(hashes[i], g)] = (i, data)
-      if not found_all:
-        break
-      n = i + 1
-      if on_device_all and device_run == i:
-        device_run = n
-    # The state checkpoints at the largest boundary that has them (the device's, or the tier's).
-    checkpoints = {}
-    end = n - 1 if kv.use_eagle else n
-    while end > 0:
-      checkpoints = {}
-      for g in state_groups:
-        key = (hashes[end - 1], g)
-        if pool.get_cached_block(*key) is None:
-          data = self._read(key)
-          if data is None:
-            break
-          checkpoints[key] = data
-      else:
-        break
-      end -= 1
-    if end == 0:
+    placed = kv.cache_external_blocks(request_id, token_ids, end, in_tier)
+    if not placed:
       return 0
-    # With a draft layer the device drops the last block of its hit again: it must see one more.
-    last = end + 1 if kv.use_eagle else end
-    loads = {k: data for k, (i, data) in read.items() if i < last} | checkpoints
-    if not loads:
-      return 0
-    # Reserve before touching: touching the device's prefix blocks takes the free ones among them
-    # out of the free list, so the loads must fit in what is free after that, or nothing is loaded
-    # (a miss; the request computes its prefix), never an error.
-    touched_free = len({b.block_id for b in on_device if b.ref_cnt == 0 and not b.is_null})
-    if len(loads) > pool.get_num_free_blocks() - touched_free:
-      return 0
-    pool.touch(on_device)  # not evicted by the blocks taken below
-    for (block_hash, g), data in loads.items():
-      (block,) = pool.get_new_blocks(1)
-      pool.cache_full_block(block, block_hash, g)
-      pool.free_blocks([block])  # free, cached: the admission's hit takes it like any cached block
-      self._loads.setdefault(g, []).append((block.block_id, data))
-    pool.free_blocks(on_device)
-    self.num_loaded_blocks += len(loads)
-    self.num_loaded_bytes += sum(data.nbytes for data in loads.values())
-    return (end - min(device_run, end)) * kv.hash_block_size
+    for block_hash, g, block_id in placed:
+      data = read[(block_hash, g)]
+      self._loads.setdefault(g, []).append((block_id, data))
+      self.num_loaded_bytes += data.nbytes
+    self.num_loaded_blocks += len(placed)
+    return (end - on_device) * kv.hash_block_size
 
   def _read(self, key: tuple[BlockHash, int]) -> np.ndarray | None:
     """A block from the tier, or None: absent, unreadable, or not this layout's block size."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxkv.kv_cache_config import KVCacheConfig, _size
+from jaxkv.cache.kv_cache_config import KVCacheConfig, _size
 
 __all__ = ["render_plan"]
 

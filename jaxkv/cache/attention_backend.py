@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from jaxkv.kv_cache_spec import AttentionSpec, KVCacheSpec, MultipleOf
+from jaxkv.cache.kv_cache_spec import AttentionSpec, KVCacheSpec, MultipleOf
 
 __all__ = [
   "AttentionBackend",

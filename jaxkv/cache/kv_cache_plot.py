@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 
-from jaxkv.kv_cache_config import KVCacheConfig
+from jaxkv.cache.kv_cache_config import KVCacheConfig
 
 __all__ = ["block_segments", "plot_block"]
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int, UInt8
 
-from jaxkv.kv_cache_config import KVCacheConfig
+from jaxkv.cache.kv_cache_config import KVCacheConfig
 
 __all__ = [
   "BlockRegion",

@@ -32,10 +32,10 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxkv.attention_backend import AttentionBackend, customize_attention_spec
-from jaxkv.attention_group import AttentionGroup
-from jaxkv.kernel_view import KernelView
-from jaxkv.kv_cache_spec import AttentionSpec, CircularBufferSpec, KVCacheSpec, SlidingWindowSpec
+from jaxkv.cache.attention_backend import AttentionBackend, customize_attention_spec
+from jaxkv.cache.attention_group import AttentionGroup
+from jaxkv.cache.kernel_view import KernelView
+from jaxkv.cache.kv_cache_spec import AttentionSpec, CircularBufferSpec, KVCacheSpec, SlidingWindowSpec
 from jaxkv.utils import round_up
 
 __all__ = [

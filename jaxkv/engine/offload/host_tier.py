@@ -15,7 +15,7 @@ import threading
 
 import numpy as np
 
-from jaxkv.kv_offload.tier import OffloadKey, OffloadTier
+from jaxkv.engine.offload.tier import OffloadKey, OffloadTier
 
 __all__ = ["HostTier"]
 

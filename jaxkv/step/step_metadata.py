@@ -2,7 +2,7 @@
 
 What the model needs of the block tables in one step, computed together before it runs
 (``pallas_kernels.compute_step_metadata``: one Pallas launch on a GPU, the jnp functions of
-``jaxkv.slot_mapping`` and ``jaxkv.kernel_blocks`` as reference and CPU path):
+``jaxkv.step.slot_mapping`` and ``jaxkv.step.kernel_blocks`` as reference and CPU path):
 
 * per KV-cache group, the tokens' manager-unit slots (token groups, ``compute_slot_mapping``) or
   ring slots (``CircularBufferSpec`` groups, ``compute_circular_slot_mapping``); None for
@@ -24,7 +24,7 @@ import functools
 import jax
 from jaxtyping import Array, Int
 
-from jaxkv.kv_cache_spec import CircularBufferSpec
+from jaxkv.cache.kv_cache_spec import CircularBufferSpec
 
 __all__ = ["SlotGroup", "KernelTableGroup", "StepMetadataSpec", "StepMetadata"]
 

@@ -16,10 +16,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxkv.attention_backend import AttentionBackend, select_common_block_size
-from jaxkv.kernel_blocks import map_to_kernel_blocks
-from jaxkv.kernel_view import KernelView
-from jaxkv.kv_cache_spec import AttentionSpec, KVCacheSpec
+from jaxkv.cache.attention_backend import AttentionBackend, select_common_block_size
+from jaxkv.cache.kernel_view import KernelView
+from jaxkv.cache.kv_cache_spec import AttentionSpec, KVCacheSpec
 
 __all__ = ["AttentionGroup"]
 
@@ -188,15 +187,6 @@ class AttentionGroup:
         "kernel blocks per block (a block's pages would overlap the next block's)."
       )
     return dataclasses.replace(self, kernel_block_stride=stride)
-
-  def map_to_kernel_block_table(self, block_table: jax.Array, kernel_block_table: jax.Array | None = None) -> jax.Array:
-    """The group's block table in kernel blocks (the manager table itself without a split).
-
-    ``kernel_block_table`` is the group's persistent buffer; it is donated and reused.
-    """
-    if self.kernel_block_size is None:
-      return block_table
-    return map_to_kernel_blocks(block_table, self.blocks_per_kernel_block, self.stride, kernel_block_table)
 
   def init_kernel_block_table(self, max_num_reqs: int, width: int) -> jax.Array | None:
     """The persistent int32 ``[max_num_reqs, width * bpk]`` buffer, or None without a split."""

@@ -16,9 +16,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxkv.block_copy import BlockRegions, gather_blocks, scatter_blocks
-from jaxkv.kv_cache_config import KVCacheConfig
-from jaxkv.kv_offload.connector import pinned_host_put, to_device
+from jaxkv.step.block_copy import BlockRegions, gather_blocks, scatter_blocks
+from jaxkv.cache.kv_cache_config import KVCacheConfig
+from jaxkv.engine.offload.connector import pinned_host_put, to_device
 from jaxkv.utils import next_power_of_2
 
 __all__ = ["SwapSpace"]

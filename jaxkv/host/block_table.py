@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from jaxkv.kv_cache_spec import cdiv
+from jaxkv.utils import cdiv
 
 __all__ = ["BlockTable", "MultiGroupBlockTable", "get_block_table_width"]
 

@@ -33,14 +33,14 @@ import threading
 
 import numpy as np
 
-from jaxkv.kv_offload.tier import OffloadKey, OffloadTier
+from jaxkv.engine.offload.tier import OffloadKey, OffloadTier
 
 __all__ = ["DiskTier"]
 
 _MAGIC = b"JAXKVBLK"
 _HEADER = struct.Struct("<8sQ32s")  # magic, payload bytes, sha256(payload)
 _FORMAT = 1
-_log = logging.getLogger("jaxkv.kv_offload")
+_log = logging.getLogger("jaxkv.engine.offload")
 
 
 class DiskTier(OffloadTier):

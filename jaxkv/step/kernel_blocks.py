@@ -14,7 +14,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
-__all__ = ["map_to_kernel_blocks", "map_to_kernel_blocks_reference"]
+from jaxkv.cache.attention_group import AttentionGroup
+
+__all__ = ["map_to_kernel_blocks", "map_group_to_kernel_blocks", "map_to_kernel_blocks_reference"]
 
 
 @functools.partial(
@@ -61,6 +63,16 @@ def map_to_kernel_blocks(
       f"table (block_table {list(block_table.shape)} x {bpk} kernel blocks per block)."
     )
   return jax.lax.dynamic_update_slice(out, mapped, (0, 0))
+
+
+def map_group_to_kernel_blocks(
+  group: AttentionGroup, block_table: Int[Array, "R W"], out: Int[Array, "R2 W2"] | None = None
+) -> Int[Array, "R2 W2"]:
+  """``group``'s block table in kernel blocks (``map_to_kernel_blocks`` with its split and stride);
+  the manager table itself when the group has no split. ``out``: its persistent buffer, donated."""
+  if group.kernel_block_size is None:
+    return block_table
+  return map_to_kernel_blocks(block_table, group.blocks_per_kernel_block, group.stride, out)
 
 
 def map_to_kernel_blocks_reference(block_table, blocks_per_kernel_block: int, stride: int):
