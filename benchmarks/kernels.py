@@ -113,13 +113,11 @@ def bench_mqa_logits(batch, ctx, impl, iters, repeats, **tune):
   q = jax.random.normal(jax.random.key(2), (batch, 1, H_IDX, D_IDX), jnp.float32)
   w = jax.random.normal(jax.random.key(3), (batch, H_IDX), jnp.float32)
   ctx_lens = jnp.full((batch, 1), entries, jnp.int32)
-  view = KernelView.for_rows(pages.shape[1], entries_per_page=P)
+  view = KernelView.for_rows(pages.shape[1], entries_per_page=P, cache_dtype="fp8")
 
   # The chain enters through q, the operand of the expensive part, so XLA cannot hoist or CSE it.
   def step(q_, c):
-    out = paged_mqa_logits(
-      q_.astype(jnp.float8_e4m3fn), c[0], c[1], c[2], c[3], view=view, cache_dtype="fp8", implementation=impl, **tune
-    )
+    out = paged_mqa_logits(q_.astype(jnp.float8_e4m3fn), c[0], c[1], c[2], c[3], view=view, implementation=impl, **tune)
     return q_ + _dep(out)
 
   t = _timeit(step, q, (pages, w, ctx_lens, table), iters, repeats)
@@ -152,8 +150,7 @@ def bench_sparse_mla(batch, ctx, impl, iters, repeats, cache_dtype="bfloat16", *
     out = sparse_mla_decode(
       q_,
       *c,
-      view=KernelView.for_rows(bs * e, tokens_per_row=bs),
-      cache_dtype=cache_dtype,
+      view=KernelView.for_rows(bs * e, tokens_per_row=bs, cache_dtype=cache_dtype),
       sm_scale=L_MLA**-0.5,
       implementation=impl,
       **tune,
@@ -251,10 +248,9 @@ def bench_kpool(tokens, impl, iters, repeats, **tune):
       c,
       tl,
       *k,
-      view=KernelView.for_rows(page_bytes, entries_per_page=P),
+      view=KernelView.for_rows(page_bytes, entries_per_page=P, cache_dtype="fp8"),
       tail_view=KernelView.for_rows(tail.shape[1], tokens_per_row=ring),
       kpool=KPOOL,
-      cache_dtype="fp8",
       implementation=impl,
     )
 

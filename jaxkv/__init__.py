@@ -28,7 +28,9 @@ def _check_sibling_packages() -> None:
 _check_sibling_packages()
 
 from jaxkv.cache import (
+  CACHE_DTYPES,
   LAYOUTS,
+  CacheDType,
   AttentionBackend,
   AttentionGroup,
   AttentionSpec,
@@ -122,6 +124,8 @@ __all__ = [
   "CircularBufferSpec",
   "LinearAttentionStateSpec",
   "MultipleOf",
+  "CacheDType",
+  "CACHE_DTYPES",
   # Backends and attention groups
   "AttentionBackend",
   "customize_attention_spec",

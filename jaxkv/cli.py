@@ -11,7 +11,8 @@ import sys
 import time
 
 from jaxkv.engine.model_runner import get_model_family
-from jaxkv.cache.kv_cache_config import CacheConfig, plan_kv_cache
+from jaxkv.cache.cache_dtype import CACHE_DTYPES, MODEL_DTYPES
+from jaxkv.cache.kv_cache_config import LAYOUTS, CacheConfig, plan_kv_cache
 from jaxkv.cache.kv_cache_report import render_plan
 
 __all__ = ["main", "build_parser"]
@@ -611,7 +612,7 @@ _CACHE_DEFAULTS = {
   ),
   "engine": dict(block_size=256, memory_gib=0.0625, dtype="auto", kv_cache_dtype="auto", indexer_cache_dtype="auto"),
 }
-_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8")
+_CACHE_DTYPES = ("auto",) + CACHE_DTYPES
 
 
 def _add_cache_args(p: argparse.ArgumentParser, kind: str) -> None:
@@ -630,7 +631,7 @@ def _add_cache_args(p: argparse.ArgumentParser, kind: str) -> None:
   )
   p.add_argument(
     "--layout",
-    choices=("packed", "dense"),
+    choices=LAYOUTS,
     default="packed",
     help="packed: one arena row per block holds every layer's pages; dense: one array per layer",
   )
@@ -638,7 +639,7 @@ def _add_cache_args(p: argparse.ArgumentParser, kind: str) -> None:
   p.add_argument("--max-model-len", type=_positive, default=None, help="longest request (default: the model's maximum)")
   p.add_argument(
     "--dtype",
-    choices=("auto", "float32", "bfloat16"),
+    choices=("auto",) + MODEL_DTYPES,
     default=d["dtype"],
     help="model dtype: weights, tail rings and KDA conv windows; auto: the checkpoint's dtype (float16 "
     "served as bfloat16), for built-in random weights bfloat16 on a GPU and float32 on the CPU",

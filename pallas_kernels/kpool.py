@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int, UInt8
 
+from jaxkv.cache.cache_dtype import CACHE_DTYPES
 from jaxkv.cache.kernel_view import KernelView
 from pallas_kernels._common import (
   FP8_DTYPE,
@@ -53,8 +54,6 @@ __all__ = [
   "indexer_page_bytes",
   "read_indexer_entries",
 ]
-
-INDEXER_CACHE_DTYPES = ("fp8", "bfloat16", "float32")
 
 
 def indexer_page_bytes(states_per_page: int, head_dim: int, cache_dtype: str) -> int:
@@ -209,8 +208,9 @@ def _validate(
   kpool,
   view: KernelView,
   tail_view: KernelView,
-  cache_dtype,
-):
+) -> str:
+  """Checks the arguments; returns the indexer view's entry encoding."""
+  cache_dtype = view.require_cache_dtype("kpool_compress_and_write", CACHE_DTYPES)
   ring, states_per_page, base_row = tail_view.block_size, view.entries_per_page, view.base_row
   page_offset_bytes, tail_page_offset_bytes = view.offset_bytes, tail_view.offset_bytes
   t, d = keys.shape if keys.ndim == 2 else (None, None)
@@ -231,8 +231,6 @@ def _validate(
   ):
     if a.shape != (t,) or a.dtype != jnp.int32:
       raise ValueError(f"{name} must be int32[{t}], got {a.dtype}{list(a.shape)}.")
-  if cache_dtype not in INDEXER_CACHE_DTYPES:
-    raise ValueError(f"cache_dtype must be one of {INDEXER_CACHE_DTYPES}, got {cache_dtype!r}.")
   page = indexer_page_bytes(states_per_page, d, cache_dtype)
   if cache.ndim != 2 or cache.dtype != jnp.uint8 or page_offset_bytes + page > cache.shape[1]:
     raise ValueError(
@@ -249,11 +247,12 @@ def _validate(
       f"tail must be uint8[num_blocks, row_bytes] holding a [2, {ring}, {d}] {keys.dtype} page at "
       f"byte {tail_page_offset_bytes}, got {tail.dtype}{list(tail.shape)}."
     )
+  return cache_dtype
 
 
 @functools.partial(
   jax.jit,
-  static_argnames=("view", "tail_view", "kpool", "cache_dtype", "implementation", "interpret"),
+  static_argnames=("view", "tail_view", "kpool", "implementation", "interpret"),
   donate_argnames=("cache", "tail"),
 )
 def kpool_compress_and_write(
@@ -270,7 +269,6 @@ def kpool_compress_and_write(
   view: KernelView,
   tail_view: KernelView,
   kpool: int,
-  cache_dtype: str = "fp8",
   implementation: str = "pallas",
   interpret: bool | None = None,
 ):
@@ -287,10 +285,10 @@ def kpool_compress_and_write(
     positions, req_indices: int32 ``[num_tokens]``; a request's tokens contiguous, in order.
     tail_slots: int32 ``[num_tokens]`` from ``compute_circular_slot_mapping`` (-1: padding).
     compressed_slots: int32 ``[num_tokens]`` from ``compute_compressed_slot_mapping``.
-    view, tail_view: the indexer's and the tail ring's ``KernelView`` (the ring's block size is
+    view, tail_view: the indexer's and the tail ring's ``KernelView`` (the indexer's entry
+      encoding: ``"fp8"`` with scales, ``"bfloat16"`` or ``"float32"``; the ring's block size is
       its capacity).
     kpool: pool size.
-    cache_dtype: ``"fp8"`` (with scales), ``"bfloat16"`` or ``"float32"``.
 
   Returns:
     ``(cache, tail)`` updated (``tail`` is None when it lives in ``cache``).
@@ -306,7 +304,7 @@ def kpool_compress_and_write(
       f"{view.layer_name}, got {cache.dtype}{list(cache.shape)}."
     )
   pages = cache.reshape(-1, rb)
-  _validate(
+  cache_dtype = _validate(
     pages,
     tail_rows,
     keys,
@@ -319,7 +317,6 @@ def kpool_compress_and_write(
     kpool=kpool,
     view=view,
     tail_view=tail_view,
-    cache_dtype=cache_dtype,
   )
   if implementation == "xla":
     # Read the pools' earlier tokens from the ring before this step overwrites it.
@@ -334,7 +331,7 @@ def kpool_compress_and_write(
       ring=ring,
       tail_page_offset_bytes=tail_view.offset_bytes,
     )
-    pages = _write_pools_reference(pages, pool_k, pool_g, ape, compressed_slots, view=view, cache_dtype=cache_dtype)
+    pages = _write_pools_reference(pages, pool_k, pool_g, ape, compressed_slots, view=view)
   else:
     # One program per token (those completing no pool return at once), reading its pool from the
     # batch and the ring in place: no [T, kpool, D] pool copies in XLA.
@@ -383,7 +380,8 @@ def kpool_compress_and_write(
   return (tail_rows, None) if shared else (cache, tail_rows)
 
 
-def _write_pools_reference(cache, pool_k, pool_g, ape, slots, *, view: KernelView, cache_dtype):
+def _write_pools_reference(cache, pool_k, pool_g, ape, slots, *, view: KernelView):
+  cache_dtype = view.cache_dtype
   base_row, page_offset, states_per_page = view.base_row, view.offset_bytes, view.entries_per_page
   pooled = combine_pool(pool_k, pool_g, ape)
   values, scale = _encode_pooled(pooled, pool_k.dtype, cache_dtype)
@@ -409,9 +407,10 @@ def kpool_compress_and_write_reference(
 
 
 def read_indexer_entries(
-  cache: UInt8[Array, "N Rb"], kernel_blocks: Int[Array, "..."], *, view: KernelView, head_dim: int, cache_dtype: str
+  cache: UInt8[Array, "N Rb"], kernel_blocks: Int[Array, "..."], *, view: KernelView, head_dim: int
 ) -> tuple[jax.Array, jax.Array]:
   """Entries of whole kernel pages ``[..., P, D]`` (float32 values as stored) and their scales ``[..., P]``."""
+  cache_dtype = view.require_cache_dtype("read_indexer_entries", CACHE_DTYPES)
   p, d = view.entries_per_page, head_dim
   page = indexer_page_bytes(p, d, cache_dtype)
   rows = cache.reshape(-1, view.row_bytes)[view.base_row + kernel_blocks][

@@ -21,6 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int, UInt8
 
+from jaxkv.cache.cache_dtype import CACHE_DTYPES
 from jaxkv.cache.kernel_view import KernelView
 from jaxkv.utils import cdiv
 from pallas_kernels._common import (
@@ -32,7 +33,7 @@ from pallas_kernels._common import (
   device_shared_memory_bytes,
   without_ref,
 )
-from pallas_kernels.kpool import INDEXER_CACHE_DTYPES, indexer_page_bytes, read_indexer_entries
+from pallas_kernels.kpool import indexer_page_bytes, read_indexer_entries
 
 __all__ = ["paged_mqa_logits", "paged_mqa_logits_reference", "paged_mqa_logits_stages"]
 
@@ -133,7 +134,9 @@ def paged_mqa_logits_stages(
   )
 
 
-def _validate(q, pages, weights, context_lens, kernel_block_table, view: KernelView, cache_dtype):
+def _validate(q, pages, weights, context_lens, kernel_block_table, view: KernelView) -> str:
+  """Checks the arguments; returns the view's entry encoding."""
+  cache_dtype = view.require_cache_dtype("paged_mqa_logits", CACHE_DTYPES)
   base_row, states_per_page, page_offset_bytes = view.base_row, view.entries_per_page, view.offset_bytes
   if q.ndim != 4:
     raise ValueError(f"q must be [batch, next_n, heads, head_dim], got {list(q.shape)}.")
@@ -147,8 +150,6 @@ def _validate(q, pages, weights, context_lens, kernel_block_table, view: KernelV
       f"kernel_block_table must be int32[{b}, max_pages], got "
       f"{kernel_block_table.dtype}{list(kernel_block_table.shape)}."
     )
-  if cache_dtype not in INDEXER_CACHE_DTYPES:
-    raise ValueError(f"cache_dtype must be one of {INDEXER_CACHE_DTYPES}, got {cache_dtype!r}.")
   page = indexer_page_bytes(states_per_page, d, cache_dtype)
   rb = view.row_bytes
   elem = d * (1 if cache_dtype == "fp8" else jnp.dtype(cache_dtype).itemsize)
@@ -167,13 +168,13 @@ def _validate(q, pages, weights, context_lens, kernel_block_table, view: KernelV
     )
   if not 0 <= base_row < pages.shape[0] * pages.shape[1] // rb:
     raise ValueError(f"base_row {base_row} is outside the {pages.shape[0] * pages.shape[1] // rb} view rows.")
+  return cache_dtype
 
 
 @functools.partial(
   jax.jit,
   static_argnames=(
     "view",
-    "cache_dtype",
     "pages_per_program",
     "num_warps",
     "num_stages",
@@ -189,7 +190,6 @@ def paged_mqa_logits(
   kernel_block_table: Int[Array, "B M"],
   *,
   view: KernelView,
-  cache_dtype: str = "fp8",
   pages_per_program: int | None = None,
   num_warps: int | None = 4,
   num_stages: int | None = 3,
@@ -206,8 +206,8 @@ def paged_mqa_logits(
     weights: float32 ``[batch * next_n, heads]`` per-head weights.
     context_lens: int32 ``[batch, next_n]`` entries visible to each query row.
     kernel_block_table: int32 ``[batch, max_pages]`` kernel page ids (``map_to_kernel_blocks``).
-    view: the indexer layer's ``KernelView`` (``entries_per_page`` P is 32 or 64).
-    cache_dtype: ``"fp8"``, ``"bfloat16"`` or ``"float32"``.
+    view: the indexer layer's ``KernelView`` (``entries_per_page`` P is 32 or 64; ``cache_dtype``
+      ``"fp8"``, ``"bfloat16"`` or ``"float32"``).
     pages_per_program: pages per program (None: enough programs to fill the GPU, at most 8 pages
       each, so batch 1 spreads its context over the SMs).
     num_warps, num_stages: Triton's launch knobs (``benchmarks/kernels.py`` sweeps these; the stages
@@ -216,11 +216,9 @@ def paged_mqa_logits(
       otherwise depend on the batch it runs in (docs/kernels.md, lease I).
   """
   check_implementation(implementation)
-  _validate(q, pages, weights, context_lens, kernel_block_table, view, cache_dtype)
+  cache_dtype = _validate(q, pages, weights, context_lens, kernel_block_table, view)
   if implementation == "xla":
-    return paged_mqa_logits_reference(
-      q, pages, weights, context_lens, kernel_block_table, view=view, cache_dtype=cache_dtype
-    )
+    return paged_mqa_logits_reference(q, pages, weights, context_lens, kernel_block_table, view=view)
   b, next_n, h, d = q.shape
   p = view.entries_per_page
   interpret = default_interpret(interpret)
@@ -278,16 +276,12 @@ def paged_mqa_logits(
   return out[:, : num_pages * p]
 
 
-def paged_mqa_logits_reference(
-  q, pages, weights, context_lens, kernel_block_table, *, view: KernelView, cache_dtype: str = "fp8"
-):
+def paged_mqa_logits_reference(q, pages, weights, context_lens, kernel_block_table, *, view: KernelView):
   """Plain jnp: gather the pages, einsum, ReLU, head-weighted sum, scale, mask."""
   b, next_n, h, d = q.shape
   p = view.entries_per_page
   m = kernel_block_table.shape[1]
-  vals, scales = read_indexer_entries(
-    pages, kernel_block_table, view=view, head_dim=d, cache_dtype=cache_dtype
-  )  # [B,M,P,D], [B,M,P]
+  vals, scales = read_indexer_entries(pages, kernel_block_table, view=view, head_dim=d)  # [B,M,P,D], [B,M,P]
   s = jnp.einsum(
     "bnhd,bmpd->bnhmp",
     q.astype(jnp.float32),

@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int, UInt8
 
+from jaxkv.cache.cache_dtype import CACHE_DTYPES
 from jaxkv.cache.kernel_view import KernelView
 from jaxkv.step.slot_mapping import block_slots
 from jaxkv.utils import cdiv
@@ -169,7 +170,9 @@ def sparse_mla_decode_tiles(
   )
 
 
-def _validate(q, cache, token_indices, req_indices, block_table, *, view: KernelView, cache_dtype):
+def _validate(q, cache, token_indices, req_indices, block_table, *, view: KernelView) -> str:
+  """Checks the arguments; returns the view's entry encoding."""
+  cache_dtype = view.require_cache_dtype("sparse_mla_decode", CACHE_DTYPES)
   block_size, tokens_per_row, page_offset_bytes = view.block_size, view.tokens_per_row, view.offset_bytes
   if q.ndim != 3:
     raise ValueError(f"q must be [num_tokens, heads, latent_dim], got {list(q.shape)}.")
@@ -180,8 +183,6 @@ def _validate(q, cache, token_indices, req_indices, block_table, *, view: Kernel
     raise ValueError(f"req_indices must be int32[{t}], got {req_indices.dtype}{list(req_indices.shape)}.")
   if block_table.ndim != 2 or block_table.dtype != jnp.int32:
     raise ValueError(f"block_table must be int32[rows, width], got {block_table.dtype}{list(block_table.shape)}.")
-  if cache_dtype not in ("bfloat16", "float32", "fp8"):
-    raise ValueError(f"cache_dtype must be bfloat16, float32 or fp8, got {cache_dtype!r}.")
   if cache_dtype == "fp8" and l > FP8_GROUP and l % FP8_GROUP:
     raise ValueError(
       f"fp8 latent caches need a latent dim below {FP8_GROUP} (one scale) or a multiple of "
@@ -205,13 +206,13 @@ def _validate(q, cache, token_indices, req_indices, block_table, *, view: Kernel
       f"{tokens_per_row} latent entries of {e} bytes at offset {page_offset_bytes} do not fit rows of "
       f"{view.row_bytes} bytes, or do not divide the block size {block_size}."
     )
+  return cache_dtype
 
 
 @functools.partial(
   jax.jit,
   static_argnames=(
     "view",
-    "cache_dtype",
     "sm_scale",
     "block_k",
     "block_h",
@@ -230,7 +231,6 @@ def sparse_mla_decode(
   block_table: Int[Array, "Rq W"],
   *,
   view: KernelView,
-  cache_dtype: str = "bfloat16",
   sm_scale: float,
   block_k: int | None = None,
   block_h: int | None = None,
@@ -248,8 +248,8 @@ def sparse_mla_decode(
     token_indices: int32 ``[num_tokens, K]`` selected token positions, -1 for none.
     req_indices: int32 ``[num_tokens]`` block-table row of each query, -1 for padding queries.
     block_table: int32 ``[rows, width]`` the latent group's manager block table.
-    view: the latent layer's ``KernelView`` (manager block size, entries per row, page offset).
-    cache_dtype: ``"bfloat16"``, ``"float32"`` or ``"fp8"``.
+    view: the latent layer's ``KernelView`` (manager block size, entries per row, page offset,
+      entry encoding: ``"bfloat16"``, ``"float32"`` or ``"fp8"``).
     sm_scale: softmax scale.
     block_k, block_h: tiles of selected tokens and heads (None: ``sparse_mla_decode_tiles`` for the
       entry size and the device's shared memory; 64 x 64 for bf16 and fp8 latents).
@@ -258,8 +258,8 @@ def sparse_mla_decode(
       ``benchmarks/kernels.py`` sweeps them).
   """
   check_implementation(implementation)
-  _validate(q, cache, token_indices, req_indices, block_table, view=view, cache_dtype=cache_dtype)
-  kw = dict(view=view, cache_dtype=cache_dtype, sm_scale=sm_scale)
+  cache_dtype = _validate(q, cache, token_indices, req_indices, block_table, view=view)
+  kw = dict(view=view, sm_scale=sm_scale)
   if implementation == "xla":
     return sparse_mla_decode_reference(q, cache, token_indices, req_indices, block_table, **kw)
   t, h, l = q.shape
@@ -337,9 +337,10 @@ def sparse_mla_decode(
 
 
 def sparse_mla_decode_reference(
-  q, cache, token_indices, req_indices, block_table, *, view: KernelView, cache_dtype: str = "bfloat16", sm_scale: float
+  q, cache, token_indices, req_indices, block_table, *, view: KernelView, sm_scale: float
 ):
   """Plain jnp: gather the selected latent rows, masked softmax, weighted sum (float32)."""
+  cache_dtype = view.require_cache_dtype("sparse_mla_decode_reference", CACHE_DTYPES)
   cache = cache.reshape(-1, view.row_bytes)
   t, h, l = q.shape
   e = entry_bytes(l, cache_dtype)

@@ -140,9 +140,9 @@ def test_compiled_kernels_refuse_byte_arrays_their_offsets_cannot_reach():
   for rows, interpret in ((2048, False), (4097, False), (3072, True)):
     assert write(rows, interpret).shape == (rows, row)
   p, d, b = 64, 128, 4
-  view = KernelView.for_rows(p * (d + 4), entries_per_page=p, layer_name="idx")
+  view = KernelView.for_rows(p * (d + 4), entries_per_page=p, layer_name="idx", cache_dtype="fp8")
   mqa = lambda pages: jax.eval_shape(
-    functools.partial(paged_mqa_logits, view=view, cache_dtype="fp8", interpret=False),
+    functools.partial(paged_mqa_logits, view=view, interpret=False),
     jax.ShapeDtypeStruct((b, 1, 32, d), jnp.float8_e4m3fn),
     jax.ShapeDtypeStruct((pages, p * (d + 4)), jnp.uint8),
     jax.ShapeDtypeStruct((b, 32), jnp.float32),

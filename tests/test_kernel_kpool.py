@@ -56,7 +56,6 @@ def run_chunks(layout, cache_dtype, model_dtype, lengths, chunk_sizes, rng, impl
       view=idx_b,
       tail_view=tail_b,
       kpool=kpool,
-      cache_dtype=cache_dtype,
       implementation=implementation,
     )
     arrays[idx_b.tensor] = cache
@@ -108,9 +107,7 @@ def test_chunked_compression_matches_whole_sequence_pooling(layout, cache_dtype,
     g = run["gates"][r][: num_pools * kpool].reshape(num_pools, kpool, d)
     want = combine_pool(k, g, run["ape"]).astype(model_dtype).astype(jnp.float32)
     e = np.arange(num_pools)
-    vals, scales = read_indexer_entries(
-      arena, jnp.asarray(kt[r, e // P]), view=idx_b, head_dim=d, cache_dtype=cache_dtype
-    )
+    vals, scales = read_indexer_entries(arena, jnp.asarray(kt[r, e // P]), view=idx_b, head_dim=d)
     got = np.asarray(vals)[e, e % P] * np.asarray(scales)[e, e % P][:, None]
     if cache_dtype == "fp8":
       # e4m3 keeps 3 mantissa bits; the scale is the power of two just above amax / 448.

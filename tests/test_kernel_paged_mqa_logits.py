@@ -49,8 +49,8 @@ def test_paged_mqa_logits(cache_dtype, q_dtype, p, next_n):
   q = jnp.asarray(rng.standard_normal((b, next_n, h, d)).astype(np.float32)).astype(q_dtype)
   w = jnp.asarray(rng.standard_normal((b * next_n, h)).astype(np.float32))
   args = (q, jnp.asarray(pages), w, jnp.asarray(ctx), jnp.asarray(table))
-  view = KernelView.for_rows(page_bytes, entries_per_page=p, base_row=base)
-  kw = dict(view=view, cache_dtype=cache_dtype, pages_per_program=2)
+  view = KernelView.for_rows(page_bytes, entries_per_page=p, base_row=base, cache_dtype=cache_dtype)
+  kw = dict(view=view, pages_per_program=2)
   got = np.asarray(paged_mqa_logits(*args, **kw, implementation="pallas"))
   ref = np.asarray(paged_mqa_logits(*args, **kw, implementation="xla"))
   # How pages are spread over programs changes no arithmetic (batch invariance of the selection).
@@ -72,7 +72,7 @@ def test_paged_mqa_logits(cache_dtype, q_dtype, p, next_n):
     np.testing.assert_allclose(out[finite], want[finite], rtol=tol, atol=tol * scale)
 
 
-VIEW = KernelView.for_rows(64 * 20, entries_per_page=64)
+VIEW = KernelView.for_rows(64 * 20, entries_per_page=64, cache_dtype="fp8")
 
 
 def test_validation_names_shapes():
@@ -112,7 +112,7 @@ def test_unsplit_layer_of_a_packed_row(cache_dtype):
   ctx = np.array([[p], [p - 7]], np.int32)
   q = jnp.asarray(rng.standard_normal((b, 1, h, d)).astype(np.float32))
   w = jnp.asarray(rng.standard_normal((b, h)).astype(np.float32))
-  kw = dict(view=KernelView.for_rows(rows.shape[1], entries_per_page=p, offset_bytes=offset), cache_dtype=cache_dtype)
+  kw = dict(view=KernelView.for_rows(rows.shape[1], entries_per_page=p, offset_bytes=offset, cache_dtype=cache_dtype))
   got = {
     impl: np.asarray(
       paged_mqa_logits(q, jnp.asarray(rows), w, jnp.asarray(ctx), jnp.asarray(table), **kw, implementation=impl)

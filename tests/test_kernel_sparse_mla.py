@@ -42,7 +42,7 @@ def test_sparse_mla_decode(layout, cache_dtype, rank):
   q = rng.standard_normal((len(reqs), h, rank)).astype(np.float32)
   sm_scale = 1.0 / np.sqrt(rank)
   table = jnp.asarray(tables[b.kv_cache_group_id].block_table)
-  kw = dict(view=b, cache_dtype=cache_dtype, sm_scale=float(sm_scale))
+  kw = dict(view=b, sm_scale=float(sm_scale))
   args = (jnp.asarray(q), cache, jnp.asarray(idx), jnp.asarray(reqs), table)
   got = np.asarray(sparse_mla_decode(*args, **kw, implementation="pallas", block_k=16))
   ref = np.asarray(sparse_mla_decode(*args, **kw, implementation="xla"))
@@ -73,7 +73,7 @@ def test_validation():
       jnp.zeros((2, 8), jnp.int32),
       jnp.zeros(3, jnp.int32),
       jnp.zeros((2, 2), jnp.int32),
-      view=KernelView.for_rows(64 * 64, tokens_per_row=64),
+      view=KernelView.for_rows(64 * 64, tokens_per_row=64, cache_dtype="bfloat16"),
       sm_scale=1.0,
     )
   with pytest.raises(ValueError, match="multiple of 128.*got 160"):
@@ -83,9 +83,19 @@ def test_validation():
       jnp.zeros((2, 8), jnp.int32),
       jnp.zeros(2, jnp.int32),
       jnp.zeros((2, 2), jnp.int32),
-      view=KernelView.for_rows(64 * 64, tokens_per_row=64),
+      view=KernelView.for_rows(64 * 64, tokens_per_row=64, cache_dtype="fp8"),
       sm_scale=1.0,
-      cache_dtype="fp8",
+    )
+  # The entry encoding comes with the view: a view that does not say it is refused by name.
+  with pytest.raises(ValueError, match=r"view of lat has cache_dtype None.*for_rows\(\.\.\., cache_dtype"):
+    sparse_mla_decode(
+      q,
+      jnp.zeros((4, 64 * 64), jnp.uint8),
+      jnp.zeros((2, 8), jnp.int32),
+      jnp.zeros(2, jnp.int32),
+      jnp.zeros((2, 2), jnp.int32),
+      view=KernelView.for_rows(64 * 64, tokens_per_row=64, layer_name="lat"),
+      sm_scale=1.0,
     )
 
 

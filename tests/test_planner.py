@@ -20,14 +20,13 @@ GIB = 2**30
 
 
 def glm_plan(block_size=1024, layout="packed", memory=80 * GIB, max_len=1 << 20, **kw):
+  kw = {"kv_cache_dtype": "bfloat16", "indexer_cache_dtype": "fp8", **kw}
   cfg = get_config("glm-5.3-flash")
   cache = CacheConfig(
     block_size=block_size,
     layout=layout,
     memory_bytes=memory,
     max_model_len=max_len,
-    kv_cache_dtype="bfloat16",
-    indexer_cache_dtype="fp8",
     state_dtype="bfloat16",
     **kw,
   )
@@ -197,3 +196,22 @@ def test_hf_config_json_flat_and_nested(tmp_path):
     load_config(tmp_path / "bad")
   with pytest.raises(ValueError, match="no config.json"):
     load_config(tmp_path)
+
+
+@pytest.mark.parametrize("layout", ["packed", "dense"])
+@pytest.mark.parametrize("kv, idx", [("bfloat16", "fp8"), ("fp8", "float32")])
+def test_views_carry_each_caches_entry_encoding(layout, kv, idx):
+  """The kernels read how an entry is encoded from the view: the planner takes it from the spec."""
+  plan = glm_plan(
+    block_size=256, layout=layout, memory=16 * GIB, max_len=1 << 14, kv_cache_dtype=kv, indexer_cache_dtype=idx
+  )
+  by_kind = {}
+  for v in plan.views:
+    by_kind.setdefault(v.layer_name.rsplit(".", 1)[-1], set()).add(v.cache_dtype)
+  assert by_kind["mla"] == {kv} and by_kind["indexer"] == {idx}
+  assert all(d == {None} for k, d in by_kind.items() if k not in ("mla", "indexer"))  # rings and states
+
+
+def test_spec_refuses_an_unknown_entry_encoding():
+  with pytest.raises(ValueError, match=r"cache_dtype must be one of \('bfloat16', 'float32', 'fp8'\), got 'int4'"):
+    FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype="uint8", cache_dtype="int4")

@@ -7,6 +7,7 @@ from jaxkv.cache.attention_backend import (
   select_common_block_size,
 )
 from jaxkv.cache.attention_group import AttentionGroup
+from jaxkv.cache.cache_dtype import CACHE_DTYPES, MODEL_DTYPES, CacheDType, check_cache_dtype
 from jaxkv.cache.kernel_view import KernelView
 from jaxkv.cache.kv_cache_config import (
   LAYOUTS,
@@ -30,6 +31,10 @@ from jaxkv.cache.kv_cache_spec import (
 )
 
 __all__ = [
+  "CacheDType",
+  "CACHE_DTYPES",
+  "MODEL_DTYPES",
+  "check_cache_dtype",
   "KVCacheSpec",
   "AttentionSpec",
   "FullAttentionSpec",

@@ -141,6 +141,7 @@ class AttentionGroup:
       entries_per_page=self.states_per_kernel_page,
       tensor_offset_bytes=page_offset_bytes,
       block_stride_bytes=row_bytes if block_stride_bytes is None else block_stride_bytes,
+      cache_dtype=spec.cache_dtype if isinstance(spec, AttentionSpec) else None,
     )
     if kbs is None or (row_bytes == page and page_offset_bytes == 0):
       # Unsplit, or a dense cache allocated already split: kernel block k is row k.

@@ -12,6 +12,9 @@ starting at byte ``offset_bytes`` of that row. Three cases cover every layer:
   ``base_row = page_offset / kernel_page``, ``offset_bytes = 0`` and
   ``stride = bytes_per_block / kernel_page`` (other layers' bytes lie between this layer's pages).
 
+The view also carries how an entry is encoded (``cache_dtype``, from the layer's spec), so a
+kernel takes the view alone: where the pages are and how to read them come from one record.
+
 The view is frozen and hashable: kernels take it as one static argument.
 """
 
@@ -41,6 +44,8 @@ class KernelView:
     entries_per_page: cache entries per kernel page (pooled entries for compressed caches).
     tensor_offset_bytes: the page's offset inside a row of the backing tensor.
     block_stride_bytes: bytes between consecutive manager blocks' pages in the tensor.
+    cache_dtype: the entry encoding (``CacheDType``: ``"bfloat16"``, ``"float32"``, ``"fp8"``);
+      None for caches no kernel decodes (tail rings, states).
   """
 
   layer_name: str
@@ -60,6 +65,7 @@ class KernelView:
   entries_per_page: int
   tensor_offset_bytes: int
   block_stride_bytes: int
+  cache_dtype: str | None = None
 
   @classmethod
   def for_rows(
@@ -72,6 +78,7 @@ class KernelView:
     offset_bytes: int = 0,
     block_size: int | None = None,
     layer_name: str = "cache",
+    cache_dtype: str | None = None,
   ) -> KernelView:
     """A view of a bare ``uint8[num_rows, row_bytes]`` array, one kernel block per row (tests,
     benchmarks, caches not made by the planner)."""
@@ -94,11 +101,22 @@ class KernelView:
       entries_per_page=entries_per_page,
       tensor_offset_bytes=offset_bytes,
       block_stride_bytes=row_bytes,
+      cache_dtype=cache_dtype,
     )
 
   @property
   def is_split(self) -> bool:
     return self.kernel_block_size is not None
+
+  def require_cache_dtype(self, kernel: str, allowed: tuple[str, ...]) -> str:
+    """The entry encoding, checked against what ``kernel`` reads (ValueError naming both)."""
+    if self.cache_dtype not in allowed:
+      raise ValueError(
+        f"{kernel} reads {allowed} entries, but the view of {self.layer_name} has cache_dtype "
+        f"{self.cache_dtype!r}; plan the cache with one of them or give "
+        "KernelView.for_rows(..., cache_dtype=...)."
+      )
+    return self.cache_dtype
 
   def with_offset(self, extra_bytes: int) -> KernelView:
     """The same rows, addressed ``extra_bytes`` further into the page (a second head slot)."""

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from jaxkv.cache.attention_backend import AttentionBackend, customize_attention_spec
 from jaxkv.cache.attention_group import AttentionGroup
+from jaxkv.cache.cache_dtype import CACHE_DTYPES, MODEL_DTYPES, check_cache_dtype
 from jaxkv.cache.kernel_view import KernelView
 from jaxkv.cache.kv_cache_spec import AttentionSpec, CircularBufferSpec, KVCacheSpec, SlidingWindowSpec
 from jaxkv.utils import round_up
@@ -49,8 +50,6 @@ __all__ = [
 ]
 
 LAYOUTS = ("dense", "packed")
-CACHE_DTYPES = ("bfloat16", "float32", "fp8")
-MODEL_DTYPES = ("bfloat16", "float32")
 _DTYPE_FIELDS = ("kv_cache_dtype", "indexer_cache_dtype", "state_dtype")
 _INT32_MAX = 2**31 - 1
 # Packed rows and layer offsets are multiples of this, so every layer's typed view (fp8, bf16,
@@ -91,10 +90,8 @@ class CacheConfig:
     if self.layout not in LAYOUTS:
       raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}.")
     for name in ("kv_cache_dtype", "indexer_cache_dtype"):
-      if getattr(self, name) not in CACHE_DTYPES + ("auto",):
-        raise ValueError(f"{name} must be one of {CACHE_DTYPES + ('auto',)}, got {getattr(self, name)!r}.")
-    if self.state_dtype not in MODEL_DTYPES + ("auto",):
-      raise ValueError(f"state_dtype must be one of {MODEL_DTYPES + ('auto',)}, got {self.state_dtype!r}.")
+      check_cache_dtype(getattr(self, name), name=name, allowed=CACHE_DTYPES + ("auto",))
+    check_cache_dtype(self.state_dtype, name="state_dtype", allowed=MODEL_DTYPES + ("auto",))
     for name in ("block_size", "memory_bytes", "max_model_len"):
       if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
         raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}.")
@@ -103,8 +100,7 @@ class CacheConfig:
 
   def resolve_dtypes(self, model_dtype: str) -> CacheConfig:
     """This config with every ``"auto"`` dtype replaced by ``model_dtype`` (the weights' dtype)."""
-    if model_dtype not in MODEL_DTYPES:
-      raise ValueError(f"model dtype must be one of {MODEL_DTYPES}, got {model_dtype!r}.")
+    check_cache_dtype(model_dtype, name="model dtype", allowed=MODEL_DTYPES)
     return dataclasses.replace(self, **{f: model_dtype for f in _DTYPE_FIELDS if getattr(self, f) == "auto"})
 
   @property

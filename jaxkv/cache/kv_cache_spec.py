@@ -17,6 +17,7 @@ import math
 import ml_dtypes  # noqa: F401  (registers bfloat16 / float8 names with numpy)
 import numpy as np
 
+from jaxkv.cache.cache_dtype import check_cache_dtype
 from jaxkv.utils import cdiv
 
 __all__ = [
@@ -151,7 +152,9 @@ class AttentionSpec(KVCacheSpec):
   Attributes:
     num_kv_heads: KV heads (head slots unless ``num_head_slots`` is given).
     head_size: K width; ``head_size_v`` the V width (0 for latent/indexer caches).
-    dtype: element dtype name of the content.
+    dtype: element dtype name of the content as stored (``"uint8"`` for fp8 entries with scales).
+    cache_dtype: the entry encoding the kernels decode (``CacheDType``: ``"bfloat16"``,
+      ``"float32"`` or ``"fp8"``); None for a cache no kernel decodes (``dtype`` then says all).
     state_content_bytes: explicit content bytes per state (packed fp8 rows with scales).
     compress_ratio: tokens per state (> 1: compressed cache such as pooled indexer keys).
     page_size_padded: pad each page to this many bytes (pages cannot then be split).
@@ -160,6 +163,7 @@ class AttentionSpec(KVCacheSpec):
   num_kv_heads: int
   head_size: int
   dtype: str
+  cache_dtype: str | None = None
   head_size_v: int | None = None
   num_head_slots: int | None = None
   state_content_bytes: int | None = None
@@ -168,6 +172,8 @@ class AttentionSpec(KVCacheSpec):
 
   def __post_init__(self):
     super().__post_init__()
+    if self.cache_dtype is not None:
+      check_cache_dtype(self.cache_dtype, name="cache_dtype")
     if self.compress_ratio < 1:
       raise ValueError(f"compress_ratio must be >= 1, got {self.compress_ratio}.")
     if self.block_size % self.compress_ratio:
@@ -214,7 +220,7 @@ class MLAAttentionSpec(FullAttentionSpec):
   """An MLA latent cache or an indexer key cache (``cache_role``); one head slot, no V.
 
   The GLM-5.3-Flash pooled indexer key is ``MLAAttentionSpec(head_size=128, dtype="uint8",
-  state_content_bytes=132, compress_ratio=4, cache_role="indexer")``: 128 fp8 values and one fp32
+  cache_dtype="fp8", state_content_bytes=132, compress_ratio=4, cache_role="indexer")``: 128 fp8 values and one fp32
   scale per 4 tokens.
   """
 

@@ -24,6 +24,7 @@ import functools
 import jax
 from jaxtyping import Array, Int
 
+from jaxkv.cache.attention_group import AttentionGroup
 from jaxkv.cache.kv_cache_spec import CircularBufferSpec
 
 __all__ = ["SlotGroup", "KernelTableGroup", "StepMetadataSpec", "StepMetadata"]
@@ -82,6 +83,21 @@ class KernelTableGroup:
         f"got {self.states_per_page}."
       )
 
+  @classmethod
+  def from_attention_group(cls, group: AttentionGroup) -> KernelTableGroup:
+    """The step's share of a resolved ``AttentionGroup`` (its stride taken from the arrays): the
+    one place its numbers are read, so the two records cannot disagree."""
+    spec = group.kv_cache_spec
+    compressed = not spec.is_state and spec.tokens_per_state > 1
+    return cls(
+      group.kv_cache_group_id,
+      group.blocks_per_kernel_block,
+      group.stride,
+      mapped=group.kernel_block_size is not None,
+      states_per_page=group.states_per_kernel_page if compressed else 0,
+      compress_ratio=spec.tokens_per_state if compressed else 0,
+    )
+
   @property
   def compressed(self) -> bool:
     return self.compress_ratio > 1
@@ -136,21 +152,8 @@ class StepMetadataSpec:
       spec = g.kv_cache_spec
       kind = "ring" if isinstance(spec, CircularBufferSpec) else "none" if spec.is_state else "tokens"
       slot_groups.append(SlotGroup(kind, spec.block_size))
-    attention_groups = []
-    for ag in plan.attention_groups:
-      spec = ag.kv_cache_spec
-      compressed = not spec.is_state and spec.tokens_per_state > 1
-      attention_groups.append(
-        KernelTableGroup(
-          ag.kv_cache_group_id,
-          ag.blocks_per_kernel_block,
-          ag.stride,
-          mapped=ag.kernel_block_size is not None,
-          states_per_page=ag.states_per_kernel_page if compressed else 0,
-          compress_ratio=spec.tokens_per_state if compressed else 0,
-        )
-      )
-    return cls(tuple(slot_groups), tuple(attention_groups), dcp_size, dcp_rank, dcp_interleave, implementation)
+    attention_groups = tuple(KernelTableGroup.from_attention_group(ag) for ag in plan.attention_groups)
+    return cls(tuple(slot_groups), attention_groups, dcp_size, dcp_rank, dcp_interleave, implementation)
 
   @property
   def slot_outputs(self) -> tuple[tuple[str, int], ...]:

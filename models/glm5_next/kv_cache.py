@@ -8,7 +8,7 @@ entry per ``kpool`` tokens, read by paged MQA logits in 32/64-entry pages) and t
 from __future__ import annotations
 
 from jaxkv.cache.attention_backend import AttentionBackend
-from jaxkv.cache.kv_cache_config import CACHE_DTYPES, CacheConfig, KVCacheLayer
+from jaxkv.cache import CacheConfig, CacheDType, KVCacheLayer, check_cache_dtype
 from jaxkv.cache.kv_cache_spec import CircularBufferSpec, LinearAttentionStateSpec, MLAAttentionSpec, MultipleOf
 from jaxkv.utils import cdiv, next_power_of_2
 from models.glm5_next.config import Glm5NextConfig
@@ -48,12 +48,11 @@ def tail_ring_size(kpool: int, num_speculative_tokens: int = 0) -> int:
 
 
 def _cache_spec_args(dim: int, cache_dtype: str) -> dict:
-  if cache_dtype not in CACHE_DTYPES:
-    raise ValueError(f"cache dtype {cache_dtype!r} is not one of {CACHE_DTYPES}.")
-  if cache_dtype == "fp8":
+  check_cache_dtype(cache_dtype, name="cache dtype")
+  if cache_dtype == CacheDType.FP8:
     # dim fp8 values and one fp32 scale per 128 of them: 132 bytes for the 128-dim indexer key.
-    return {"head_size": dim, "dtype": "uint8", "state_content_bytes": entry_bytes(dim, "fp8")}
-  return {"head_size": dim, "dtype": cache_dtype}
+    return {"head_size": dim, "dtype": "uint8", "cache_dtype": "fp8", "state_content_bytes": entry_bytes(dim, "fp8")}
+  return {"head_size": dim, "dtype": cache_dtype, "cache_dtype": cache_dtype}
 
 
 def get_kv_cache_layers(

@@ -50,13 +50,11 @@ _HP = jax.lax.Precision.HIGHEST
 
 @dataclasses.dataclass(frozen=True)
 class PagedLayout:
-  """The static facts the step needs of a plan: each cache's ``KernelView``, the cache dtypes, the
-  tensors split over the tensor axis (``KVCacheTensor.shards``; their views are one device's) and
+  """The static facts the step needs of a plan: each cache's ``KernelView`` (with its entry
+  encoding), the dtype of the states and tail rings, the tensors split over the tensor axis (``KVCacheTensor.shards``; their views are one device's) and
   the attention kernels that run their XLA path on this device (``xla_kernels``: no tiles of
   theirs fit its shared memory, ``kernel_fallbacks``)."""
 
-  kv_cache_dtype: str
-  indexer_cache_dtype: str
   state_dtype: str
   views: tuple[KernelView, ...]
   split_tensors: tuple[tuple[str, int], ...] = ()
@@ -72,7 +70,7 @@ class PagedLayout:
         "jaxkv.engine.plan_for does."
       )
     split = tuple((t.name, t.shards) for t in plan.tensors if t.shards > 1)
-    return cls(cc.kv_cache_dtype, cc.indexer_cache_dtype, cc.state_dtype, plan.views, split)
+    return cls(cc.state_dtype, plan.views, split)
 
   def implementation(self, kernel: str, implementation: str) -> str:
     """``kernel``'s path under the step's switch: ``"xla"`` where it cannot run as a kernel here."""
@@ -92,23 +90,20 @@ class PagedLayout:
 def kernel_fallbacks(config: Glm5NextConfig, layout: PagedLayout, shared_memory_bytes: int | None) -> dict[str, str]:
   """The attention kernels that cannot run compiled with ``shared_memory_bytes`` per program (None:
   no limit), each with the reason (its tile check's message): ``{kernel: reason}``."""
-  pages = [v.entries_per_page for v in layout.views if v.layer_name.endswith(".indexer")]
-  if not pages:
-    return {}
-  checks = {
-    "sparse_mla_decode": lambda: sparse_mla_decode_tiles(
-      config.num_attention_heads, config.kv_lora_rank, layout.kv_cache_dtype, shared_memory_bytes
-    ),
-    "paged_mqa_logits": lambda: paged_mqa_logits_stages(
-      config.index_n_heads, 1, config.index_head_dim, max(pages), layout.indexer_cache_dtype, shared_memory_bytes
-    ),
-  }
+  checks = []  # (kernel, check) for each view the kernels read
+  for v in layout.views:
+    if v.layer_name.endswith(".mla"):
+      args = (config.num_attention_heads, config.kv_lora_rank, v.cache_dtype, shared_memory_bytes)
+      checks.append(("sparse_mla_decode", functools.partial(sparse_mla_decode_tiles, *args)))
+    elif v.layer_name.endswith(".indexer"):
+      args = (config.index_n_heads, 1, config.index_head_dim, v.entries_per_page, v.cache_dtype, shared_memory_bytes)
+      checks.append(("paged_mqa_logits", functools.partial(paged_mqa_logits_stages, *args)))
   out = {}
-  for kernel, check in checks.items():
+  for kernel, check in checks:
     try:
       check()
     except ValueError as e:
-      out[kernel] = str(e)
+      out.setdefault(kernel, str(e))
   return out
 
 
@@ -291,7 +286,7 @@ def _dsa_step(
   slots = meta.slot_mappings[mla.kv_cache_group_id]
   caches = dict(caches)
   caches[mla.tensor] = write_to_paged_cache(
-    caches[mla.tensor], encode_entries(c_kv, layout.kv_cache_dtype), slots, view=mla, implementation=implementation
+    caches[mla.tensor], encode_entries(c_kv, mla.cache_dtype), slots, view=mla, implementation=implementation
   )
   if attn.indexer is not None and not share_indices:
     ind = attn.indexer
@@ -315,21 +310,19 @@ def _dsa_step(
       view=idx,
       tail_view=tail,
       kpool=ind.kpool,
-      cache_dtype=layout.indexer_cache_dtype,
       implementation=implementation,
     )
     caches[idx.tensor] = cache
     if not shared:
       caches[tail.tensor] = tail_arr
     rows = jnp.maximum(req, 0)
-    q_in = q.astype(jnp.float32) if layout.indexer_cache_dtype == "float32" else q
+    q_in = q.astype(jnp.float32) if idx.cache_dtype == "float32" else q
     # relu(c * s) = c * relu(s) for c > 0: the 1/sqrt(K) score scale folds into the head weights.
     # Rows are independent and summed over all heads: on a mesh each device scores its share of the
     # step's tokens (the head sum stays whole, so each row's arithmetic is the single-device one).
     mqa = functools.partial(
       paged_mqa_logits,
       view=idx,
-      cache_dtype=layout.indexer_cache_dtype,
       implementation=layout.implementation("paged_mqa_logits", implementation),
     )
     args = (q_in[:, None], caches[idx.tensor], w * ind.k**-0.5, ((pos + 1) // ind.kpool)[:, None], kt[rows])
@@ -345,7 +338,6 @@ def _dsa_step(
   decode = functools.partial(
     sparse_mla_decode,
     view=mla,
-    cache_dtype=layout.kv_cache_dtype,
     sm_scale=attn.dk**-0.5,
     implementation=layout.implementation("sparse_mla_decode", implementation),
   )
