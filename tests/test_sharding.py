@@ -199,3 +199,53 @@ def test_paged_mqa_logits_split_by_rows_is_bitwise_the_whole_call():
   )
   assert out.returncode == 0, out.stderr[-3000:]
   assert out.stdout.split() == ["ok"]
+
+
+def test_shard_builds_the_model_on_the_mesh_and_leaves_the_runner_alone():
+  """``runner.shard(mesh)`` is a new runner whose model was built with its ``ModelSharding`` (every
+  MoE's experts and every attention module's kernels per device) over a placed copy of the weights;
+  the runner it came from keeps its single-device graph and weights."""
+  code = textwrap.dedent("""
+      import jax, numpy as np
+      from flax import nnx
+      from jax.sharding import Mesh
+      from models.glm5_next import Glm5NextForCausalLM, get_config
+      from models.glm5_next.model import KimiDeltaAttention, MoE, SparseMLAttention
+      from models.glm5_next.runner import Glm5NextRunner
+      model = Glm5NextForCausalLM(get_config("glm-5.3-flash-tiny"), rngs=nnx.Rngs(0))
+      runner = Glm5NextRunner.from_model(model, implementation="xla")
+      mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "tensor"))
+      sharded = runner.shard(mesh, expert_parallel=True)
+      def kinds(r):
+        out = []
+        for _, m in nnx.iter_graph(r._model(r.params)):
+          if isinstance(m, MoE):
+            out.append(("moe", m.parallel and (m.parallel.mesh.shape["tensor"], m.parallel.expert_parallel)))
+          if isinstance(m, (KimiDeltaAttention, SparseMLAttention)):
+            out.append(("attn", m.head_sharding and m.head_sharding.size))
+        return out
+      assert kinds(runner) and all(v is None for _, v in kinds(runner)), kinds(runner)
+      assert all(v == ((2, True) if k == "moe" else 2) for k, v in kinds(sharded)), kinds(sharded)
+      flat = lambda r: [(k, v.get_value()) for k, v in nnx.to_flat_state(r.params)]
+      for (k, a), (_, b) in zip(flat(runner), flat(sharded)):
+        assert len(a.sharding.device_set) == 1 and len(b.sharding.device_set) == 4, k
+        assert np.array_equal(np.asarray(a), np.asarray(b)), k
+      try:
+        runner.shard(Mesh(np.array(jax.devices()).reshape(1, 4)[:, :3], ("data", "tensor")))
+      except ValueError as e:
+        assert "must divide" in str(e), e
+      else:
+        raise AssertionError("a 3-way tensor axis was accepted")
+      print("ok")
+  """)
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+  out = subprocess.run(
+    [sys.executable, "-c", code],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=600,
+    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.split() == ["ok"]

@@ -22,6 +22,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from models.glm5_next.config import Glm5NextConfig
+from models.glm5_next.sharding import ModelSharding
 from pallas_kernels.grouped_matmul import grouped_matmul
 from pallas_kernels.kda_recurrence import delta_rule_step
 from pallas_kernels.kpool import combine_pool
@@ -158,7 +159,7 @@ class MLP(nnx.Module):
 class MoE(nnx.Module):
   """Sigmoid router (bias for selection only), renormalized scaled top-k experts + shared expert."""
 
-  def __init__(self, config: Glm5NextConfig, *, dtype, rngs: nnx.Rngs | None):
+  def __init__(self, config: Glm5NextConfig, *, dtype, rngs: nnx.Rngs | None, sharding: ModelSharding | None = None):
     d, e, i = config.hidden_size, config.n_routed_experts, config.moe_intermediate_size
     self.gate_weight = _param(rngs, (e, d), jnp.float32)
     self.e_score_correction_bias = _param(rngs, (e,), jnp.float32)
@@ -170,8 +171,8 @@ class MoE(nnx.Module):
     self.shared_experts = MLP(config, i * config.n_shared_experts, dtype=dtype, rngs=rngs)
     self.top_k, self.scale, self.norm = config.num_experts_per_tok, config.routed_scaling_factor, config.norm_topk_prob
     self.limit = config.swiglu_limit
-    # How the routed experts split over a device mesh (``sharding.shard_model``); None: one device.
-    self.parallel = None
+    # How the routed experts split over a device mesh (``ExpertSharding``); None: one device.
+    self.parallel = None if sharding is None else sharding.experts
 
   def route(self, x):
     """Top-k experts ``[..., k]`` and their weights (float32): selection by ``sigmoid + bias``,
@@ -292,7 +293,7 @@ def kda_chunked(q, k, v, g, beta, state, chunk_size: int = 64):
 class KimiDeltaAttention(nnx.Module):
   """KDA: q/k/v short convolutions, bounded forget gate, delta rule, gated RMSNorm output."""
 
-  def __init__(self, config: Glm5NextConfig, *, dtype, rngs: nnx.Rngs | None):
+  def __init__(self, config: Glm5NextConfig, *, dtype, rngs: nnx.Rngs | None, sharding: ModelSharding | None = None):
     d, h, k = config.hidden_size, config.linear_num_heads, config.linear_head_dim
     c, kw = h * k, config.linear_conv_kernel_dim
     for name in ("q_proj", "k_proj", "v_proj"):
@@ -313,8 +314,8 @@ class KimiDeltaAttention(nnx.Module):
     self.o_norm = RMSNorm(k, config.rms_norm_eps, dtype=dtype, rngs=rngs)
     self.o_proj = Linear(c, d, dtype=dtype, rngs=rngs)
     self.h, self.k, self.kw = h, k, kw
-    # On a device mesh: the recurrence per device, on its heads (``sharding.HeadSharding``).
-    self.head_sharding = None
+    # On a device mesh: the recurrence per device, on its heads (``HeadSharding``).
+    self.head_sharding = None if sharding is None else sharding.heads
     self.lower_bound, self.eps = config.linear_gate_lower_bound, config.rms_norm_eps
 
   def project(self, x):
@@ -434,7 +435,15 @@ class Indexer(nnx.Module):
 class SparseMLAttention(nnx.Module):
   """NoPE MLA over the selected tokens; the 512-wide ``c_kv`` is the only per-token cache entry."""
 
-  def __init__(self, config: Glm5NextConfig, *, dtype, rngs: nnx.Rngs | None, with_indexer: bool = True):
+  def __init__(
+    self,
+    config: Glm5NextConfig,
+    *,
+    dtype,
+    rngs: nnx.Rngs | None,
+    with_indexer: bool = True,
+    sharding: ModelSharding | None = None,
+  ):
     d, h = config.hidden_size, config.num_attention_heads
     self.q_a_proj = Linear(d, config.q_lora_rank, dtype=dtype, rngs=rngs)
     self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps, dtype=dtype, rngs=rngs)
@@ -447,8 +456,8 @@ class SparseMLAttention(nnx.Module):
     self.o_proj = Linear(h * config.v_head_dim, d, dtype=dtype, rngs=rngs)
     self.indexer = Indexer(config, dtype=dtype, rngs=rngs) if with_indexer else None
     self.h, self.dk, self.dv = h, config.qk_nope_head_dim, config.v_head_dim
-    # On a device mesh: sparse MLA decode per device, on its heads (``sharding.HeadSharding``).
-    self.head_sharding = None
+    # On a device mesh: sparse MLA decode per device, on its heads (``HeadSharding``).
+    self.head_sharding = None if sharding is None else sharding.heads
 
   def latent(self, x):
     """``(q_resid [B, T, R_q], c_kv [B, T, L])``."""
@@ -492,17 +501,21 @@ def reference_attend(attn, x, prev_indices):
 
 
 class DecoderLayer(nnx.Module):
-  def __init__(self, config: Glm5NextConfig, layer_idx: int, *, dtype, rngs: nnx.Rngs | None):
+  def __init__(
+    self, config: Glm5NextConfig, layer_idx: int, *, dtype, rngs: nnx.Rngs | None, sharding: ModelSharding | None = None
+  ):
     self.kind = config.layer_types[layer_idx]
     if self.kind == "linear_attention":
-      self.self_attn = KimiDeltaAttention(config, dtype=dtype, rngs=rngs)
+      self.self_attn = KimiDeltaAttention(config, dtype=dtype, rngs=rngs, sharding=sharding)
     else:
       self.self_attn = SparseMLAttention(
-        config, dtype=dtype, rngs=rngs, with_indexer=config.indexer_types[layer_idx] == "full"
+        config, dtype=dtype, rngs=rngs, with_indexer=config.indexer_types[layer_idx] == "full", sharding=sharding
       )
     moe = config.mlp_layer_types[layer_idx] == "sparse"
     self.mlp = (
-      MoE(config, dtype=dtype, rngs=rngs) if moe else MLP(config, config.intermediate_size, dtype=dtype, rngs=rngs)
+      MoE(config, dtype=dtype, rngs=rngs, sharding=sharding)
+      if moe
+      else MLP(config, config.intermediate_size, dtype=dtype, rngs=rngs)
     )
     self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
     self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, rngs=rngs)
@@ -524,15 +537,15 @@ class DecoderLayer(nnx.Module):
 class MTPLayer(nnx.Module):
   """NextN drafting layer: plain pre-norm block (no mHC) with DSA attention and MoE."""
 
-  def __init__(self, config: Glm5NextConfig, *, dtype, rngs: nnx.Rngs | None):
+  def __init__(self, config: Glm5NextConfig, *, dtype, rngs: nnx.Rngs | None, sharding: ModelSharding | None = None):
     d, eps = config.hidden_size, config.rms_norm_eps
     self.enorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
     self.hnorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
     self.eh_proj = Linear(2 * d, d, dtype=dtype, rngs=rngs)
     self.input_layernorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
-    self.self_attn = SparseMLAttention(config, dtype=dtype, rngs=rngs)
+    self.self_attn = SparseMLAttention(config, dtype=dtype, rngs=rngs, sharding=sharding)
     self.post_attention_layernorm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
-    self.mlp = MoE(config, dtype=dtype, rngs=rngs)
+    self.mlp = MoE(config, dtype=dtype, rngs=rngs, sharding=sharding)
     self.shared_head_norm = RMSNorm(d, eps, dtype=dtype, rngs=rngs)
 
   def fuse(self, hidden, next_embeds, positions):
@@ -557,20 +570,29 @@ class Glm5NextForCausalLM(nnx.Module):
     rngs: required: ``nnx.Rngs(seed)`` draws random weights (normal, mostly std 0.1: scales that
       make routing, clamps, pooling and mHC move at test size, docs/model.md); ``None`` allocates
       zeros for a checkpoint to fill (``load_checkpoint``). No default: zeros are never a surprise.
+    sharding: the model's place on a device mesh (``ModelSharding``): how its MoE and attention
+      kernels run per device (checked against the config here); ``sharding.place(params)`` puts
+      the weights there. None: one device.
 
   Example:
     >>> model = Glm5NextForCausalLM(get_config("glm-5.3-flash-tiny"), rngs=nnx.Rngs(0))
     >>> logits = model(jnp.asarray([[1, 2, 3]]))[0]  # [B, T, V]
   """
 
-  def __init__(self, config: Glm5NextConfig, *, rngs: nnx.Rngs | None, dtype=jnp.float32):
+  def __init__(
+    self, config: Glm5NextConfig, *, rngs: nnx.Rngs | None, dtype=jnp.float32, sharding: ModelSharding | None = None
+  ):
+    if sharding is not None:
+      sharding.check(config)
     self.config = config
     d = config.hidden_size
     self.embed_tokens = _param(rngs, (config.vocab_size, d), dtype, std=1.0)
-    self.layers = nnx.List([DecoderLayer(config, i, dtype=dtype, rngs=rngs) for i in range(config.num_hidden_layers)])
+    self.layers = nnx.List(
+      [DecoderLayer(config, i, dtype=dtype, rngs=rngs, sharding=sharding) for i in range(config.num_hidden_layers)]
+    )
     self.norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, rngs=rngs)
     self.lm_head = _param(rngs, (config.vocab_size, d), dtype)
-    self.mtp = MTPLayer(config, dtype=dtype, rngs=rngs) if config.num_nextn_predict_layers else None
+    self.mtp = MTPLayer(config, dtype=dtype, rngs=rngs, sharding=sharding) if config.num_nextn_predict_layers else None
 
   def hidden_states(self, input_ids: Int[Array, "B T"], attend=None) -> Float[Array, "B T D"]:
     """Post-final-norm hidden states (what the head and the MTP layer read).

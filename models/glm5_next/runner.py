@@ -22,7 +22,7 @@ from models.glm5_next.config import BUILTIN_CONFIGS, Glm5NextConfig, get_config,
 from models.glm5_next.kv_cache import get_kv_cache_layers
 from models.glm5_next.model import Glm5NextForCausalLM
 from models.glm5_next.paged import PagedLayout, kernel_fallbacks, paged_hidden_states, paged_mtp_forward
-from models.glm5_next.sharding import check_divisible, per_device_weight_bytes, shard_model
+from models.glm5_next.sharding import ModelSharding, check_divisible, per_device_weight_bytes
 from jaxkv.step.step_metadata import StepMetadataSpec
 from pallas_kernels import (
   compute_step_metadata,
@@ -79,11 +79,14 @@ class Glm5NextRunner:
     return get_kv_cache_layers(self.config, cache_config, tensor_parallel_size=tensor_parallel_size)
 
   def shard(self, mesh, *, expert_parallel: bool = False) -> Glm5NextRunner:
-    """This model on ``mesh`` (axes ``("data", "tensor")``): the weights placed by
-    ``sharding.partition_spec``, the MoE's routed experts run per device (``ExpertSharding``)."""
-    model = self._model(jax.tree.map(lambda x: x, self.params))  # a copy: this runner keeps its weights
-    shard_model(model, mesh, expert_parallel=expert_parallel)
-    return Glm5NextRunner.from_model(model, implementation=self.implementation)
+    """This model on ``mesh`` (axes ``("data", "tensor")``), built with its ``ModelSharding``: the
+    MoE's routed experts and the attention kernels run per device, and a copy of the weights is
+    placed by ``sharding.partition_spec`` (this runner keeps its own)."""
+    sharding = ModelSharding(mesh, expert_parallel)
+    # The graph of a model built on the mesh (shapes only, nothing allocated) over the placed weights.
+    abstract = nnx.eval_shape(lambda: Glm5NextForCausalLM(self.config, rngs=None, sharding=sharding))
+    graphdef, _ = nnx.split(abstract)
+    return dataclasses.replace(self, graphdef=graphdef, params=sharding.place(self.params))
 
   def paged_layout(self, plan: KVCacheConfig) -> PagedLayout:
     """The plan's layout; an attention kernel whose tiles do not fit this GPU's shared memory runs its

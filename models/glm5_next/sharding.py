@@ -26,10 +26,10 @@ __all__ = [
   "TENSOR",
   "ExpertSharding",
   "HeadSharding",
+  "ModelSharding",
   "check_divisible",
   "partition_spec",
   "per_device_weight_bytes",
-  "shard_model",
 ]
 
 DATA, TENSOR = "data", "tensor"
@@ -209,37 +209,48 @@ class HeadSharding:
     )(*args)
 
 
-def shard_model(model, mesh: Mesh, *, expert_parallel: bool = False) -> None:
-  """Places every parameter of ``model`` (a ``Glm5NextForCausalLM``) on ``mesh`` by its
-  ``partition_spec``, in place, and sets each MoE's ``ExpertSharding`` and each KDA and MLA
-  module's ``HeadSharding``.
-
-  Raises:
-    ValueError: the mesh's sizes do not divide the heads or the experts (naming them).
+@dataclasses.dataclass(frozen=True)
+class ModelSharding:
+  """The model's place on a ``("data", "tensor")`` mesh, given when it is built
+  (``Glm5NextForCausalLM(config, ..., sharding=)``): each MoE runs its routed experts per device
+  (``experts``), each KDA and MLA module its kernels per device on its heads (``heads``), and
+  ``place`` puts the weights where ``partition_spec`` says.
   """
-  from flax import nnx
 
-  from models.glm5_next.model import KimiDeltaAttention, MoE, SparseMLAttention
+  mesh: Mesh
+  expert_parallel: bool = False
 
-  check_divisible(
-    model.config,
-    tensor_parallel_size=mesh.shape[TENSOR],
-    data_parallel_size=mesh.shape[DATA],
-    expert_parallel=expert_parallel,
-  )
-  state = nnx.state(model)
-  for path, var in nnx.to_flat_state(state):
-    name = ".".join(map(str, path))
-    value = var.get_value()
-    target = NamedSharding(mesh, partition_spec(name, value.shape, expert_parallel=expert_parallel))
-    if isinstance(value, jax.Array) and value.sharding.is_equivalent_to(target, value.ndim):
-      continue  # loaded by shard (``load_checkpoint(..., mesh=)``)
-    # From host memory: device_put of a host array to a sharding works across processes too
-    # (each process places its own devices' slices).
-    var.set_value(jax.device_put(np.asarray(value), target))
-  nnx.update(model, state)
-  for _, module in nnx.iter_graph(model):
-    if isinstance(module, MoE):
-      module.parallel = ExpertSharding(mesh, expert_parallel)
-    if isinstance(module, (KimiDeltaAttention, SparseMLAttention)):
-      module.head_sharding = HeadSharding(mesh)
+  @property
+  def experts(self) -> ExpertSharding:
+    return ExpertSharding(self.mesh, self.expert_parallel)
+
+  @property
+  def heads(self) -> HeadSharding:
+    return HeadSharding(self.mesh)
+
+  def check(self, config) -> None:
+    """ValueError naming the sizes when the mesh does not divide the heads or the experts."""
+    check_divisible(
+      config,
+      tensor_parallel_size=self.mesh.shape[TENSOR],
+      data_parallel_size=self.mesh.shape[DATA],
+      expert_parallel=self.expert_parallel,
+    )
+
+  def place(self, params):
+    """A copy of the ``nnx.State`` ``params`` with every parameter on the mesh by its
+    ``partition_spec`` (the given state is left as it is)."""
+    from flax import nnx
+
+    placed = []
+    for path, var in nnx.to_flat_state(params):
+      name = ".".join(map(str, path))
+      value = var.get_value()
+      target = NamedSharding(self.mesh, partition_spec(name, value.shape, expert_parallel=self.expert_parallel))
+      if not (isinstance(value, jax.Array) and value.sharding.is_equivalent_to(target, value.ndim)):
+        # From host memory: device_put of a host array to a sharding works across processes too
+        # (each process places its own devices' slices). Arrays loaded by shard
+        # (``load_checkpoint(..., mesh=)``) are already in place.
+        value = jax.device_put(np.asarray(value), target)
+      placed.append((path, var.replace(value=value)))
+    return nnx.from_flat_state(placed)
