@@ -8,7 +8,7 @@ from jaxkv.cache.attention_backend import (
 )
 from jaxkv.cache.attention_group import AttentionGroup
 from jaxkv.cache.cache_dtype import CACHE_DTYPES, MODEL_DTYPES, CacheDType, check_cache_dtype
-from jaxkv.cache.kernel_view import KernelView
+from jaxkv.cache.kernel_view import KernelView, find_view
 from jaxkv.cache.kv_cache_config import (
   LAYOUTS,
   CacheConfig,
@@ -49,6 +49,7 @@ __all__ = [
   "select_common_block_size",
   "AttentionGroup",
   "KernelView",
+  "find_view",
   "LAYOUTS",
   "CacheConfig",
   "KVCacheConfig",

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["KernelView"]
+__all__ = ["KernelView", "find_view"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,3 +121,11 @@ class KernelView:
   def with_offset(self, extra_bytes: int) -> KernelView:
     """The same rows, addressed ``extra_bytes`` further into the page (a second head slot)."""
     return dataclasses.replace(self, offset_bytes=self.offset_bytes + extra_bytes)
+
+
+def find_view(views: tuple[KernelView, ...], layer_name: str) -> KernelView:
+  """The view of ``layer_name`` among a plan's ``views`` (KeyError naming the first few there)."""
+  for v in views:
+    if v.layer_name == layer_name:
+      return v
+  raise KeyError(f"no layer {layer_name!r} in the plan; it has {', '.join(v.layer_name for v in views[:4])}...")

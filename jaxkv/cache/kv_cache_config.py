@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jaxkv.cache.attention_backend import AttentionBackend, customize_attention_spec
 from jaxkv.cache.attention_group import AttentionGroup
 from jaxkv.cache.cache_dtype import CACHE_DTYPES, MODEL_DTYPES, check_cache_dtype
-from jaxkv.cache.kernel_view import KernelView
+from jaxkv.cache.kernel_view import KernelView, find_view
 from jaxkv.cache.kv_cache_spec import AttentionSpec, CircularBufferSpec, KVCacheSpec, SlidingWindowSpec
 from jaxkv.utils import round_up
 
@@ -174,9 +174,7 @@ class KVCacheConfig:
   """
 
   cache_config: CacheConfig
-  layout: str
   block_size: int
-  requested_block_size: int
   num_blocks: int
   bytes_per_block: int
   max_model_len: int
@@ -186,11 +184,17 @@ class KVCacheConfig:
   views: tuple[KernelView, ...]
   stride_alignment_bytes: int
 
+  @property
+  def layout(self) -> str:
+    return self.cache_config.layout
+
+  @property
+  def requested_block_size(self) -> int:
+    """The block size asked for (``block_size`` is the planned one: packed plans may scale it up)."""
+    return self.cache_config.block_size
+
   def view(self, layer_name: str) -> KernelView:
-    for v in self.views:
-      if v.layer_name == layer_name:
-        return v
-    raise KeyError(f"no layer {layer_name!r} in the plan; it has {', '.join(v.layer_name for v in self.views[:4])}...")
+    return find_view(self.views, layer_name)
 
   @property
   def token_capacity(self) -> int:
@@ -496,9 +500,7 @@ def plan_kv_cache(layers: Sequence[KVCacheLayer], cache_config: CacheConfig) -> 
     )
   return KVCacheConfig(
     cache_config=cc,
-    layout=cc.layout,
     block_size=block_size,
-    requested_block_size=cc.block_size,
     num_blocks=num_blocks,
     bytes_per_block=bytes_per_block,
     max_model_len=cc.planned_model_len,

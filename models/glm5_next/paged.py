@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jaxkv.cache.kernel_view import KernelView
+from jaxkv.cache.kernel_view import KernelView, find_view
 from jaxkv.cache.kv_cache_config import KVCacheConfig
 from jaxkv.step.step_inputs import StepInputs
 from models.glm5_next.config import Glm5NextConfig
@@ -81,10 +81,7 @@ class PagedLayout:
     return dict(self.split_tensors).get(tensor, 1)
 
   def view(self, name: str) -> KernelView:
-    for v in self.views:
-      if v.layer_name == name:
-        return v
-    raise KeyError(f"no cache {name!r} in the plan")
+    return find_view(self.views, name)
 
 
 def kernel_fallbacks(config: Glm5NextConfig, layout: PagedLayout, shared_memory_bytes: int | None) -> dict[str, str]:
