@@ -4,7 +4,7 @@ Every public entry point takes ``implementation="pallas"`` (the kernel; interpre
 or ``"xla"`` (the reference). Measured numbers: ``docs/kernels.md``.
 """
 
-from pallas_kernels._common import device_shared_memory_bytes, gpu_kernel_implementation, resolve_implementation
+from pallas_kernels._common import device_shared_memory_bytes, resolve_implementation
 from pallas_kernels.cache_write import (
   decode_entries,
   encode_entries,
@@ -45,6 +45,5 @@ __all__ = [
   "compute_step_metadata_reference",
   # What "auto" means on this device, and the device's shared memory (kernel tiles).
   "resolve_implementation",
-  "gpu_kernel_implementation",
   "device_shared_memory_bytes",
 ]

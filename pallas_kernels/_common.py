@@ -28,22 +28,19 @@ def check_implementation(implementation: str) -> None:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}.")
 
 
-def resolve_implementation(implementation: str) -> str:
-  """``"auto"``: the kernel on a GPU, the XLA path on the CPU (interpret mode would be slow)."""
+def resolve_implementation(implementation: str, *, kernel: str = "pallas", runs_here: bool | None = None) -> str:
+  """The path a kernel runs as: the one resolver, with one meaning of ``"auto"`` for every kernel.
+
+  ``"auto"``: the compiled kernel (``kernel``: ``"pallas"``, or ``"tokamax"`` for the grouped
+  matmul) where it runs (``runs_here``; None: on a GPU, as interpret mode on the CPU is slow), else
+  the XLA path. ``kernel`` or ``"xla"`` are taken as asked (``"pallas"`` on the CPU: interpreted).
+  """
   if implementation == "auto":
-    return "xla" if jax.default_backend() == "cpu" else "pallas"
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS + ('auto',)}, got {implementation!r}.")
+    here = jax.default_backend() != "cpu" if runs_here is None else runs_here
+    return kernel if here else "xla"
+  if implementation not in (kernel, "xla"):
+    raise ValueError(f"implementation must be one of {(kernel, 'xla', 'auto')}, got {implementation!r}.")
   return implementation
-
-
-def gpu_kernel_implementation(implementation: str) -> str:
-  """The KDA recurrence's and the step metadata's path under a runner's kernel switch (``"pallas"``
-  or ``"xla"``): the Pallas kernel whenever on a GPU; on the CPU the XLA path, unless ``"pallas"``
-  asks for the kernel (interpret mode). The KDA kernel keeps a token's arithmetic independent of
-  the batch (kda_recurrence.py); the metadata kernel is exact either way, and one launch instead
-  of several fusions (step_metadata.py)."""
-  return resolve_implementation("pallas" if implementation == "pallas" else "auto")
 
 
 def default_interpret(interpret: bool | None) -> bool:

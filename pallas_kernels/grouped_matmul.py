@@ -28,9 +28,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-__all__ = ["grouped_matmul", "grouped_matmul_reference", "prepare_grouped_matmul", "GROUPED_MATMUL_IMPLEMENTATIONS"]
+from pallas_kernels._common import resolve_implementation
 
-GROUPED_MATMUL_IMPLEMENTATIONS = ("auto", "tokamax", "xla")
+__all__ = [
+  "grouped_matmul",
+  "grouped_matmul_reference",
+  "grouped_matmul_implementation",
+  "prepare_grouped_matmul",
+]
 
 
 @functools.cache
@@ -49,25 +54,18 @@ def _warn_no_tokamax() -> None:
   )
 
 
-def resolve_implementation(implementation: str, dtype=jnp.bfloat16) -> str:
-  """The implementation ``implementation`` runs as (``"auto"`` resolved)."""
-  if implementation not in GROUPED_MATMUL_IMPLEMENTATIONS:
-    raise ValueError(
-      f"grouped matmul implementation must be one of {GROUPED_MATMUL_IMPLEMENTATIONS}, got {implementation!r}."
-    )
-  if implementation == "auto":
-    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    if not (half and jax.default_backend() in ("gpu", "cuda")):
-      return "xla"
-    if not _tokamax_available():
-      _warn_no_tokamax()
-      return "xla"
-    return "tokamax"
+def grouped_matmul_implementation(implementation: str, dtype=jnp.bfloat16) -> str:
+  """The path ``implementation`` runs as, by ``resolve_implementation``: tokamax's kernel runs here
+  for bf16 / fp16 on a GPU with tokamax installed (float32 stays on the exact XLA path)."""
   if implementation == "tokamax" and not _tokamax_available():
     raise ValueError(
       "implementation='tokamax' needs the tokamax package (pip install tokamax, or the '.[cuda13]' extra); use 'xla'."
     )
-  return implementation
+  half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+  kernel_fits = half and jax.default_backend() in ("gpu", "cuda")
+  if implementation == "auto" and kernel_fits and not _tokamax_available():
+    _warn_no_tokamax()
+  return resolve_implementation(implementation, kernel="tokamax", runs_here=kernel_fits and _tokamax_available())
 
 
 def prepare_grouped_matmul(implementation: str = "auto", dtype=jnp.bfloat16) -> str:
@@ -75,7 +73,7 @@ def prepare_grouped_matmul(implementation: str = "auto", dtype=jnp.bfloat16) -> 
   jitted step is traced: tokamax defines JAX config options on import, which changes jit's tracing
   context, so an executable compiled before the import is never found again (measured: the first
   step shape compiled twice, once inside serving)."""
-  impl = resolve_implementation(implementation, dtype)
+  impl = grouped_matmul_implementation(implementation, dtype)
   if impl == "tokamax":
     import tokamax  # noqa: F401
 
@@ -103,7 +101,7 @@ def grouped_matmul(
     raise ValueError(f"lhs [M, K] and rhs [G, K, N] must agree in K, got {list(lhs.shape)} and {list(rhs.shape)}.")
   if group_sizes.shape != rhs.shape[:1] or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
     raise ValueError(f"group_sizes must be int[{rhs.shape[0]}], got {group_sizes.dtype}{list(group_sizes.shape)}.")
-  impl = resolve_implementation(implementation, lhs.dtype)
+  impl = grouped_matmul_implementation(implementation, lhs.dtype)
   rhs = rhs.astype(lhs.dtype)
   if impl == "tokamax":
     import tokamax

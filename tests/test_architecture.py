@@ -2,6 +2,7 @@
 attention groups, one plan from one options object, equal engines share compiled steps."""
 
 import ast
+import dataclasses
 import gc
 import pathlib
 import weakref
@@ -101,7 +102,9 @@ def test_step_maps_kernel_blocks_through_the_attention_groups(monkeypatch):
   split = [(i, ag) for i, ag in enumerate(engine.plan.attention_groups) if ag.kernel_block_size]
   assert split and all(t is None for i, t in enumerate(engine.executor.kernel_tables) if i not in dict(split))
   spec = engine.executor.statics.metadata_spec
-  assert spec == StepMetadataSpec.from_plan(engine.plan, implementation="auto")  # the runner resolves "auto"
+  # The executor asks the runner once, at construction, which path "auto" is.
+  want = engine.executor.statics.runner.kernel_implementation("compute_step_metadata")
+  assert spec == StepMetadataSpec.from_plan(engine.plan, implementation=want)
   assert [a for a, _ in split] == list(spec.mapped_groups)
   for i, p in enumerate(prompts()):
     engine.add_request(str(i), p, SamplingParams(max_tokens=8))
@@ -194,3 +197,26 @@ def test_cache_config_names_the_parameter(bad, match):
 
   with pytest.raises(ValueError, match=match):
     CacheConfig(**bad)
+
+
+def test_one_resolver_and_the_runner_decides_each_kernels_path():
+  """``"auto"`` means one thing for every kernel (the compiled kernel where it runs, else XLA), and
+  the runner, through the protocol, decides each kernel's path under its switch."""
+  from pallas_kernels import resolve_implementation
+
+  assert resolve_implementation("auto", runs_here=True) == "pallas"
+  assert resolve_implementation("auto", kernel="tokamax", runs_here=False) == "xla"
+  assert resolve_implementation("auto") == ("xla" if jax.default_backend() == "cpu" else "pallas")
+  with pytest.raises(ValueError, match=r"one of \('tokamax', 'xla', 'auto'\), got 'pallas'"):
+    resolve_implementation("pallas", kernel="tokamax")
+  on_cpu = jax.default_backend() == "cpu"
+  for switch in ("xla", "pallas"):
+    r = dataclasses.replace(runner(), implementation=switch)
+    assert r.kernel_implementation("sparse_mla_decode") == switch  # attention kernels follow the switch
+    # The KDA recurrence and the step metadata run compiled on any GPU; on the CPU as the switch says.
+    for kernel in ("fused_recurrent_kda", "compute_step_metadata"):
+      assert r.kernel_implementation(kernel) == (switch if on_cpu else "pallas")
+    assert r.kernel_implementation("compute_step_metadata", "xla") == "xla"  # a named path as asked
+  engine = LLMEngine(runner(), cfg())
+  want = runner().kernel_implementation("compute_step_metadata")
+  assert engine.executor.statics.metadata_spec.implementation == want  # resolved once, at construction

@@ -14,7 +14,7 @@ from pallas_kernels.grouped_matmul import (
   _tokamax_available,
   grouped_matmul,
   grouped_matmul_reference,
-  resolve_implementation,
+  grouped_matmul_implementation,
 )
 
 ON_GPU_WITH_TOKAMAX = jax.default_backend() in ("gpu", "cuda") and _tokamax_available()
@@ -56,7 +56,7 @@ def test_rows_past_the_groups_are_zero_and_errors_name_shapes():
     grouped_matmul(lhs, rhs, jnp.asarray([1, 2, 3], jnp.int32))
   with pytest.raises(ValueError, match="must be one of"):
     grouped_matmul(lhs, rhs, sizes, implementation="cuda")
-  assert resolve_implementation("auto", jnp.float32) == "xla"  # float32 runs stay exact everywhere
+  assert grouped_matmul_implementation("auto", jnp.float32) == "xla"  # float32 runs stay exact everywhere
 
 
 def test_auto_on_a_gpu_without_tokamax_warns_once(monkeypatch):
@@ -66,8 +66,8 @@ def test_auto_on_a_gpu_without_tokamax_warns_once(monkeypatch):
   monkeypatch.setattr(gm, "_tokamax_available", lambda: False)
   gm._warn_no_tokamax.cache_clear()
   with pytest.warns(RuntimeWarning, match="tokamax is not installed"):
-    assert resolve_implementation("auto", jnp.bfloat16) == "xla"
+    assert grouped_matmul_implementation("auto", jnp.bfloat16) == "xla"
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # said once per process
-    assert resolve_implementation("auto", jnp.bfloat16) == "xla"
-    assert resolve_implementation("auto", jnp.float32) == "xla"  # float32 never asks for tokamax
+    assert grouped_matmul_implementation("auto", jnp.bfloat16) == "xla"
+    assert grouped_matmul_implementation("auto", jnp.float32) == "xla"  # float32 never asks for tokamax

@@ -56,6 +56,11 @@ class ModelRunner(Protocol):
   def paged_layout(self, plan: KVCacheConfig) -> Hashable:
     """The static, hashable facts of the plan the forward needs (each cache's ``KernelView``)."""
 
+  def kernel_implementation(self, kernel: str, requested: str = "auto") -> str:
+    """The path (``"pallas"``, ``"xla"``, ...) ``kernel`` runs in this runner's step: ``requested``
+    when it names one, else the runner's choice for this device (``"auto"``, one meaning for every
+    kernel: ``pallas_kernels.resolve_implementation``)."""
+
   def compute_step_metadata(
     self,
     block_tables: Sequence[jax.Array],

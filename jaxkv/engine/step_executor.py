@@ -293,8 +293,8 @@ class StepExecutor:
       flattens it in C++; a Flax State would take Python calls per variable).
     plan: the KV-cache plan the caches are allocated from.
     max_num_reqs: request rows per step; num_speculative_tokens: drafts verified per row.
-    step_metadata_implementation: the runner's ``compute_step_metadata`` path (``"auto"``: as the
-      runner resolves it).
+    step_metadata_implementation: the runner's ``compute_step_metadata`` path, resolved here by
+      ``runner.kernel_implementation`` (``"auto"``: the runner's choice).
     mesh: the ``data x tensor`` mesh the runner's weights are placed on, or None (one device).
   """
 
@@ -331,7 +331,9 @@ class StepExecutor:
     self._max_block_copies = max_num_reqs * len(state_groups)
     leaves, treedef = jax.tree.flatten(runner.params)
     self.param_leaves = tuple(leaves)
-    meta_spec = StepMetadataSpec.from_plan(plan, implementation=step_metadata_implementation)
+    meta_spec = StepMetadataSpec.from_plan(
+      plan, implementation=runner.kernel_implementation("compute_step_metadata", step_metadata_implementation)
+    )
     self.statics = _StepStatics.intern(
       runner,
       runner.paged_layout(plan),

@@ -36,7 +36,7 @@ from jaxkv.step.step_inputs import StepInputs
 from models.glm5_next.config import Glm5NextConfig
 from models.glm5_next.model import Glm5NextForCausalLM, KimiDeltaAttention
 from pallas_kernels.cache_write import encode_entries, write_to_paged_cache
-from pallas_kernels import gpu_kernel_implementation
+from pallas_kernels import resolve_implementation
 from pallas_kernels.kda_recurrence import fused_recurrent_kda
 from pallas_kernels.kpool import kpool_compress_and_write
 from pallas_kernels.paged_mqa_logits import paged_mqa_logits, paged_mqa_logits_stages
@@ -46,6 +46,20 @@ from pallas_kernels.topk_selection import select_topk_tokens
 __all__ = ["PagedLayout", "kernel_fallbacks", "paged_forward", "paged_hidden_states", "paged_mtp_forward"]
 
 _HP = jax.lax.Precision.HIGHEST
+# Kernels that run compiled on any GPU whatever the switch: the KDA kernel keeps a token's
+# arithmetic independent of its batch (the XLA scan does not, kda_recurrence.py), and the step
+# metadata kernel is exact either way and one launch instead of several fusions.
+_COMPILED_ON_ANY_GPU = ("fused_recurrent_kda", "compute_step_metadata")
+
+
+def kernel_implementation(kernel: str, implementation: str) -> str:
+  """The path ``kernel`` runs in the step under the runner's switch (``"pallas"`` or ``"xla"``,
+  already resolved): the switch for the attention kernels; for those of ``_COMPILED_ON_ANY_GPU``
+  ``resolve_implementation``'s ``"auto"``, or the interpreted kernel when the switch asks for
+  ``"pallas"`` on the CPU."""
+  if kernel in _COMPILED_ON_ANY_GPU:
+    return resolve_implementation("pallas" if implementation == "pallas" else "auto")
+  return implementation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +194,9 @@ def _kda_step(
   conv_slots = (
     jnp.zeros((num_reqs, num_slots) + conv.shape[1:], conv.dtype).at[seen, slot].set(windows[:, 1:], mode="drop")
   )
-  kda = functools.partial(fused_recurrent_kda, implementation=gpu_kernel_implementation(implementation))
+  kda = functools.partial(
+    fused_recurrent_kda, implementation=kernel_implementation("fused_recurrent_kda", implementation)
+  )
   args = (q, kk, v, g, beta, rec, jnp.zeros((num_reqs, num_slots) + rec.shape[1:], rec.dtype), req, slot)
   o, rec_slots = _per_device(attn, kda, args, in_axes=(1, 1, 1, 1, 1, 1, 2, None, None), out_axes=(1, 2))
   y = attn.output(o, x)

@@ -21,13 +21,18 @@ from models.glm5_next.checkpoint import load_checkpoint
 from models.glm5_next.config import BUILTIN_CONFIGS, Glm5NextConfig, get_config, load_config
 from models.glm5_next.kv_cache import get_kv_cache_layers
 from models.glm5_next.model import Glm5NextForCausalLM
-from models.glm5_next.paged import PagedLayout, kernel_fallbacks, paged_hidden_states, paged_mtp_forward
+from models.glm5_next.paged import (
+  PagedLayout,
+  kernel_fallbacks,
+  kernel_implementation,
+  paged_hidden_states,
+  paged_mtp_forward,
+)
 from models.glm5_next.sharding import ModelSharding, check_divisible, per_device_weight_bytes
 from jaxkv.step.step_metadata import StepMetadataSpec
 from pallas_kernels import (
   compute_step_metadata,
   device_shared_memory_bytes,
-  gpu_kernel_implementation,
   resolve_implementation,
 )
 from pallas_kernels.grouped_matmul import prepare_grouped_matmul
@@ -102,14 +107,18 @@ class Glm5NextRunner:
   def _model(self, params) -> Glm5NextForCausalLM:
     return nnx.merge(self.graphdef, params)
 
+  def kernel_implementation(self, kernel: str, requested: str = "auto") -> str:
+    """The path ``kernel`` runs in this runner's step: ``requested`` when it names one, else
+    ``paged.kernel_implementation`` under this runner's switch."""
+    if requested != "auto":
+      return resolve_implementation(requested)
+    return kernel_implementation(kernel, self.implementation)
+
   def compute_step_metadata(
     self, block_tables, num_blocks, req_indices, positions, kernel_block_tables=None, *, spec: StepMetadataSpec
   ):
-    """``pallas_kernels.compute_step_metadata``; ``"auto"``: the kernel whenever on a GPU, and in
-    interpret mode on the CPU when this runner's kernels are Pallas (``gpu_kernel_implementation``)."""
-    impl = spec.implementation
-    if impl == "auto":
-      impl = gpu_kernel_implementation(self.implementation)
+    """``pallas_kernels.compute_step_metadata`` on ``kernel_implementation``'s path."""
+    impl = self.kernel_implementation("compute_step_metadata", spec.implementation)
     return compute_step_metadata(
       block_tables, num_blocks, req_indices, positions, kernel_block_tables, spec=spec, implementation=impl
     )
