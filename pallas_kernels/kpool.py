@@ -101,7 +101,6 @@ def _kpool_kernel(
   cache_ref,
   *,
   view: KernelView,
-  cache_dtype,
   kpool,
   ring,
   ring_rows_per_block,
@@ -147,7 +146,7 @@ def _kpool_kernel(
       ks.append(jnp.where(in_batch, keys_ref[src].astype(jnp.float32), ring_entry(0, pos - j, ~in_batch)))
       gs.append(jnp.where(in_batch, gates_ref[src].astype(jnp.float32), ring_entry(1, pos - j, ~in_batch)))
     pooled = _combine_tokens(ks, gs, [ape_ref[i] for i in range(kpool)])
-    values, scale = _encode_pooled(pooled, dtype, cache_dtype)
+    values, scale = _encode_pooled(pooled, dtype, view.cache_dtype)
     p = view.entries_per_page
     row = view.base_row + slot // p
     entry = slot % p
@@ -208,8 +207,7 @@ def _validate(
   kpool,
   view: KernelView,
   tail_view: KernelView,
-) -> str:
-  """Checks the arguments; returns the indexer view's entry encoding."""
+) -> None:
   cache_dtype = view.require_cache_dtype("kpool_compress_and_write", CACHE_DTYPES)
   ring, states_per_page, base_row = tail_view.block_size, view.entries_per_page, view.base_row
   page_offset_bytes, tail_page_offset_bytes = view.offset_bytes, tail_view.offset_bytes
@@ -247,7 +245,6 @@ def _validate(
       f"tail must be uint8[num_blocks, row_bytes] holding a [2, {ring}, {d}] {keys.dtype} page at "
       f"byte {tail_page_offset_bytes}, got {tail.dtype}{list(tail.shape)}."
     )
-  return cache_dtype
 
 
 @functools.partial(
@@ -304,7 +301,7 @@ def kpool_compress_and_write(
       f"{view.layer_name}, got {cache.dtype}{list(cache.shape)}."
     )
   pages = cache.reshape(-1, rb)
-  cache_dtype = _validate(
+  _validate(
     pages,
     tail_rows,
     keys,
@@ -338,7 +335,6 @@ def kpool_compress_and_write(
     kernel = functools.partial(
       _kpool_kernel,
       view=view,
-      cache_dtype=cache_dtype,
       kpool=kpool,
       ring=ring,
       ring_rows_per_block=tail_rows.shape[1] // (rb if shared else tail_rows.shape[1]),
@@ -381,10 +377,9 @@ def kpool_compress_and_write(
 
 
 def _write_pools_reference(cache, pool_k, pool_g, ape, slots, *, view: KernelView):
-  cache_dtype = view.cache_dtype
   base_row, page_offset, states_per_page = view.base_row, view.offset_bytes, view.entries_per_page
   pooled = combine_pool(pool_k, pool_g, ape)
-  values, scale = _encode_pooled(pooled, pool_k.dtype, cache_dtype)
+  values, scale = _encode_pooled(pooled, pool_k.dtype, view.cache_dtype)
   valid = slots >= 0
   rows = jnp.where(valid, base_row + slots // states_per_page, cache.shape[0])
   entry = (slots % states_per_page)[:, None]

@@ -65,38 +65,19 @@ def test_sparse_mla_decode(layout, cache_dtype, rank):
 
 
 def test_validation():
+  def decode(q, num_reqs=2, **view):
+    view = KernelView.for_rows(64 * 64, tokens_per_row=64, **view)
+    args = (jnp.zeros((4, 64 * 64), jnp.uint8), jnp.zeros((2, 8), jnp.int32), jnp.zeros(num_reqs, jnp.int32))
+    return sparse_mla_decode(q, *args, jnp.zeros((2, 2), jnp.int32), view=view, sm_scale=1.0)
+
   q = jnp.zeros((2, 4, 32), jnp.float32)
   with pytest.raises(ValueError, match=r"req_indices must be int32\[2\]"):
-    sparse_mla_decode(
-      q,
-      jnp.zeros((4, 64 * 64), jnp.uint8),
-      jnp.zeros((2, 8), jnp.int32),
-      jnp.zeros(3, jnp.int32),
-      jnp.zeros((2, 2), jnp.int32),
-      view=KernelView.for_rows(64 * 64, tokens_per_row=64, cache_dtype="bfloat16"),
-      sm_scale=1.0,
-    )
+    decode(q, num_reqs=3, cache_dtype="bfloat16")
   with pytest.raises(ValueError, match="multiple of 128.*got 160"):
-    sparse_mla_decode(
-      jnp.zeros((2, 4, 160), jnp.float32),
-      jnp.zeros((4, 64 * 64), jnp.uint8),
-      jnp.zeros((2, 8), jnp.int32),
-      jnp.zeros(2, jnp.int32),
-      jnp.zeros((2, 2), jnp.int32),
-      view=KernelView.for_rows(64 * 64, tokens_per_row=64, cache_dtype="fp8"),
-      sm_scale=1.0,
-    )
+    decode(jnp.zeros((2, 4, 160), jnp.float32), cache_dtype="fp8")
   # The entry encoding comes with the view: a view that does not say it is refused by name.
   with pytest.raises(ValueError, match=r"view of lat has cache_dtype None.*for_rows\(\.\.\., cache_dtype"):
-    sparse_mla_decode(
-      q,
-      jnp.zeros((4, 64 * 64), jnp.uint8),
-      jnp.zeros((2, 8), jnp.int32),
-      jnp.zeros(2, jnp.int32),
-      jnp.zeros((2, 2), jnp.int32),
-      view=KernelView.for_rows(64 * 64, tokens_per_row=64, layer_name="lat"),
-      sm_scale=1.0,
-    )
+    decode(q, layer_name="lat")
 
 
 H200_SHARED_MEMORY = 232_448  # cuDeviceGetAttribute(MAX_SHARED_MEMORY_PER_BLOCK_OPTIN) on the H200

@@ -30,6 +30,26 @@ CACHE = CacheConfig(
 )
 
 
+def run_on_cpu_devices(code: str, num_devices: int) -> list[str]:
+  """Runs ``code`` in a fresh process with ``num_devices`` CPU devices (the count is fixed at JAX's
+  start); returns its printed words, failing with its stderr when it fails."""
+  env = {
+    **os.environ,
+    "XLA_FLAGS": f"--xla_force_host_platform_device_count={num_devices}",
+    "JAX_PLATFORMS": "cpu",
+  }
+  out = subprocess.run(
+    [sys.executable, "-c", code],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=600,
+    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  return out.stdout.split()
+
+
 def test_rules_split_heads_vocab_and_experts():
   assert partition_spec("layers.3.self_attn.q_b_proj.weight", (16384, 1536)) == P(TENSOR, None)
   assert partition_spec("layers.3.self_attn.o_proj.weight", (4096, 16384)) == P(None, TENSOR)
@@ -147,17 +167,7 @@ def test_specs_shard_the_tiny_model_on_an_eight_device_cpu_mesh():
         assert total == want, (ep, total, want)
       print("ok", len(jax.devices()))
   """)
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-  out = subprocess.run(
-    [sys.executable, "-c", code],
-    capture_output=True,
-    text=True,
-    env=env,
-    timeout=600,
-    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-  )
-  assert out.returncode == 0, out.stderr[-3000:]
-  assert out.stdout.split() == ["ok", "8"]
+  assert run_on_cpu_devices(code, 8) == ["ok", "8"]
 
 
 def test_paged_mqa_logits_split_by_rows_is_bitwise_the_whole_call():
@@ -188,17 +198,7 @@ def test_paged_mqa_logits_split_by_rows_is_bitwise_the_whole_call():
       np.testing.assert_array_equal(np.asarray(split), whole)
       print("ok")
   """)
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
-  out = subprocess.run(
-    [sys.executable, "-c", code],
-    capture_output=True,
-    text=True,
-    env=env,
-    timeout=600,
-    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-  )
-  assert out.returncode == 0, out.stderr[-3000:]
-  assert out.stdout.split() == ["ok"]
+  assert run_on_cpu_devices(code, 2) == ["ok"]
 
 
 def test_shard_builds_the_model_on_the_mesh_and_leaves_the_runner_alone():
@@ -238,14 +238,4 @@ def test_shard_builds_the_model_on_the_mesh_and_leaves_the_runner_alone():
         raise AssertionError("a 3-way tensor axis was accepted")
       print("ok")
   """)
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-  out = subprocess.run(
-    [sys.executable, "-c", code],
-    capture_output=True,
-    text=True,
-    env=env,
-    timeout=600,
-    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-  )
-  assert out.returncode == 0, out.stderr[-3000:]
-  assert out.stdout.split() == ["ok"]
+  assert run_on_cpu_devices(code, 4) == ["ok"]

@@ -104,10 +104,6 @@ class KernelView:
       cache_dtype=cache_dtype,
     )
 
-  @property
-  def is_split(self) -> bool:
-    return self.kernel_block_size is not None
-
   def require_cache_dtype(self, kernel: str, allowed: tuple[str, ...]) -> str:
     """The entry encoding, checked against what ``kernel`` reads (ValueError naming both)."""
     if self.cache_dtype not in allowed:

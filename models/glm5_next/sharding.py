@@ -18,6 +18,7 @@ import re
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -240,8 +241,6 @@ class ModelSharding:
   def place(self, params):
     """A copy of the ``nnx.State`` ``params`` with every parameter on the mesh by its
     ``partition_spec`` (the given state is left as it is)."""
-    from flax import nnx
-
     placed = []
     for path, var in nnx.to_flat_state(params):
       name = ".".join(map(str, path))
