@@ -54,17 +54,19 @@ _DEFAULT_SHARED_MEMORY = 48 * 1024
 # cuDeviceGetAttribute's CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: what Triton sizes
 # kernels against (232,448 bytes on an H100/H200, 166,912 on an A100, 101,376 on sm_86/89/120).
 _CU_ATTR_SMEM_PER_BLOCK_OPTIN = 97
+# CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT (132 on an H100/H200 SXM).
+_CU_ATTR_MULTIPROCESSOR_COUNT = 16
 
 
 @functools.cache
-def _cuda_shared_memory(ordinal: int) -> int | None:
+def _cuda_attribute(ordinal: int, attribute: int) -> int | None:
   try:
     cuda = ctypes.CDLL("libcuda.so.1")
     dev, value = ctypes.c_int(), ctypes.c_int()
     if (
       cuda.cuInit(0)
       or cuda.cuDeviceGet(ctypes.byref(dev), ordinal)
-      or cuda.cuDeviceGetAttribute(ctypes.byref(value), _CU_ATTR_SMEM_PER_BLOCK_OPTIN, dev)
+      or cuda.cuDeviceGetAttribute(ctypes.byref(value), attribute, dev)
     ):
       return None
     return value.value
@@ -79,7 +81,16 @@ def device_shared_memory_bytes(device: jax.Device | None = None) -> int | None:
   device = device or jax.local_devices()[0]
   if device.platform != "gpu":
     return None
-  return _cuda_shared_memory(device.local_hardware_id or 0) or _DEFAULT_SHARED_MEMORY
+  return _cuda_attribute(device.local_hardware_id or 0, _CU_ATTR_SMEM_PER_BLOCK_OPTIN) or _DEFAULT_SHARED_MEMORY
+
+
+def device_multiprocessors(device: jax.Device | None = None) -> int | None:
+  """Streaming multiprocessors of ``device`` (default: the first local device), asked of the CUDA
+  driver; None off a GPU or when the driver cannot be asked."""
+  device = device or jax.local_devices()[0]
+  if device.platform != "gpu":
+    return None
+  return _cuda_attribute(device.local_hardware_id or 0, _CU_ATTR_MULTIPROCESSOR_COUNT)
 
 
 def check_byte_addressable(array: jax.Array, name: str, interpret: bool) -> None:

@@ -18,6 +18,7 @@ own indices.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -36,12 +37,19 @@ from pallas_kernels._common import (
   check_byte_addressable,
   check_implementation,
   default_interpret,
+  device_multiprocessors,
   device_shared_memory_bytes,
   without_ref,
 )
 from pallas_kernels.cache_write import decode_entries, entry_bytes
 
-__all__ = ["sparse_mla_decode", "sparse_mla_decode_reference", "sparse_mla_decode_tiles", "sparse_mla_shared_memory"]
+__all__ = [
+  "sparse_mla_decode",
+  "sparse_mla_decode_reference",
+  "sparse_mla_decode_tiles",
+  "sparse_mla_num_splits",
+  "sparse_mla_shared_memory",
+]
 
 # Tiles tried largest first: (block_h, block_k). The token tile shrinks first: every head tile
 # reads the selected rows again, so a smaller head tile costs bandwidth, a smaller token tile not.
@@ -70,6 +78,7 @@ def _sparse_mla_kernel(
   blocks_per_split,
   sm_scale,
   cache_dtype,
+  col_align,
 ):
   # q_ref: [T, Hp, L]; rows_ref / cols_ref: [T, Kp] latent row (-1: none) and element column, the
   # selected rows of each query first; count_ref: [T] selected rows per query;
@@ -88,7 +97,9 @@ def _sparse_mla_kernel(
     m, s_sum, acc = carry
     start = (split * blocks_per_split + i) * block_k
     row = rows_ref[t, pl.ds(start, block_k)]  # [BK]
-    col = cols_ref[t, pl.ds(start, block_k)]
+    # Every entry starts col_align elements into its row (the view's static offsets): the hint lets
+    # Triton load each row in 16-byte vectors instead of element by element.
+    col = pl.multiple_of(cols_ref[t, pl.ds(start, block_k)], col_align)
     valid = row >= 0
     row = jnp.maximum(row, 0)
     # Masked loads skip the unselected rows' bytes (the null block's may decode to NaN, and 0 * NaN
@@ -168,6 +179,33 @@ def sparse_mla_decode_tiles(
     "program; run it with implementation='xla' (--implementation xla) or a narrower "
     "--kv-cache-dtype."
   )
+
+
+def sparse_mla_num_splits(
+  programs: int, num_blocks: int, tile_bytes: int, partial_bytes: int, multiprocessors: int | None
+) -> int:
+  """Splits of each query's ``num_blocks`` token tiles over programs (flash-decoding).
+
+  Args:
+    programs: programs per split (queries x head tiles).
+    num_blocks: token tiles of a query.
+    tile_bytes: bytes one program reads per tile (``block_k`` entries).
+    partial_bytes: bytes of one program's partial result (``[BH, L]`` plus two ``[BH]``, float32),
+      written by the kernel and read back by the combine.
+    multiprocessors: the GPU's SMs (None, interpret mode: an H100/H200's 132).
+
+  A 64 x 64 tile takes most of an SM's shared memory, so one program runs per SM and a split costs
+  (waves of programs) x (tiles per program) x ``tile_bytes`` on each SM, plus its share of the
+  partial results' traffic. Splits stay at most what gives two programs per SM (more only adds
+  partials); the cheapest count wins, the fewest on ties. 64 queries over 32 tiles run as 2 splits
+  (one wave of 16 tiles), not the 5 that filling two programs per SM gave (three waves of 7).
+  """
+  slots = multiprocessors or 132
+
+  def cost(s):
+    return cdiv(programs * s, slots) * cdiv(num_blocks, s) * tile_bytes + 2 * programs * s * partial_bytes / slots
+
+  return min(range(1, min(num_blocks, cdiv(2 * slots, programs)) + 1), key=lambda s: (cost(s), s))
 
 
 def _validate(q, cache, token_indices, req_indices, block_table, *, view: KernelView) -> str:
@@ -254,7 +292,7 @@ def sparse_mla_decode(
     block_k, block_h: tiles of selected tokens and heads (None: ``sparse_mla_decode_tiles`` for the
       entry size and the device's shared memory; 64 x 64 for bf16 and fp8 latents).
     num_splits, num_warps, num_stages: splits of the selected tokens over programs
-      (flash-decoding; None: enough to fill the GPU), and Triton's launch knobs (tuning;
+      (flash-decoding; None: ``sparse_mla_num_splits``), and Triton's launch knobs (tuning;
       ``benchmarks/kernels.py`` sweeps them).
   """
   check_implementation(implementation)
@@ -284,8 +322,9 @@ def sparse_mla_decode(
   k = token_indices.shape[1]
   num_blocks = cdiv(k, block_k)
   if num_splits is None:
-    # Enough programs to fill the GPU (~2 per SM of an H100/H200) without many tiny splits.
-    num_splits = max(1, min(num_blocks, cdiv(264, t * (hp // bh))))
+    num_splits = sparse_mla_num_splits(
+      t * (hp // bh), num_blocks, block_k * e, bh * (l + 2) * 4, None if interpret else device_multiprocessors()
+    )
   blocks_per_split = cdiv(num_blocks, num_splits)
   kp = num_splits * blocks_per_split * block_k
   # Each query's selected rows first, in their order (a stable partition by one scatter): the
@@ -312,6 +351,7 @@ def sparse_mla_decode(
     blocks_per_split=blocks_per_split,
     sm_scale=sm_scale,
     cache_dtype=cache_dtype,
+    col_align=math.gcd(view.offset_bytes, e) // elem,
   )
   operands = [q, rows, cols, count, values]
   if scales is None:

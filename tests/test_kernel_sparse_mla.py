@@ -7,11 +7,16 @@ import pytest
 from jaxkv import KernelView
 from kernel_utils import build_batch, random_tables, slots_for, tiny_plan
 from pallas_kernels.cache_write import decode_entries, encode_entries, write_to_paged_cache
-from pallas_kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_tiles, sparse_mla_shared_memory
+from pallas_kernels.sparse_mla_decode import (
+  sparse_mla_decode,
+  sparse_mla_decode_tiles,
+  sparse_mla_num_splits,
+  sparse_mla_shared_memory,
+)
 
 
 @pytest.mark.parametrize("layout", ["dense", "packed"])
-@pytest.mark.parametrize("cache_dtype, rank", [("bfloat16", 32), ("float32", 32), ("fp8", 128), ("fp8", 32)])
+@pytest.mark.parametrize("cache_dtype, rank", [("bfloat16", 32), ("float32", 32), ("fp8", 256), ("fp8", 32)])
 def test_sparse_mla_decode(layout, cache_dtype, rank):
   rng = np.random.default_rng(rank + len(layout) + len(cache_dtype))
   cfg, plan = tiny_plan(layout=layout, kv_cache_dtype=cache_dtype, block_size=512, kv_lora_rank=rank)
@@ -101,3 +106,15 @@ def test_tiles_follow_entry_size_and_shared_memory():
     ValueError, match=r"float32 latents of 512 need 67,584 bytes .* than the 49,152 .*--implementation xla"
   ):
     sparse_mla_decode_tiles(64, 512, "float32", 49_152)
+
+
+def test_num_splits_fill_one_wave_of_programs():
+  # The released latent (bf16, 1 KiB entries) in 64 x 64 tiles; 2,048 selected rows are 32 tiles.
+  tile, partial = 64 * 1024, 64 * (512 + 2) * 4
+  # 64 queries on 132 SMs: 2 splits are one wave of 16 tiles; 5 (the old rule) were three waves of 7.
+  assert sparse_mla_num_splits(64, 32, tile, partial, 132) == 2
+  assert sparse_mla_num_splits(1, 32, tile, partial, 132) == 32  # one query spreads over its tiles
+  assert sparse_mla_num_splits(2048, 32, tile, partial, 132) == 1  # a prefill step fills the GPU as it is
+  assert sparse_mla_num_splits(1, 3, tile, partial, 132) == 3  # never more splits than tiles
+  for programs in (1, 8, 32, 64, 200):  # at most two programs per SM
+    assert sparse_mla_num_splits(programs, 32, tile, partial, 132) <= max(1, -(-264 // programs))
