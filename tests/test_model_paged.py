@@ -175,7 +175,7 @@ def test_mtp_layer_paged_equals_reference(model):
     )
     h, caches, _ = step(caches, inp, jnp.asarray(ids[start + 1 : start + n + 1] + [0] * pad, jnp.int32))
     got.append(np.asarray(h[:n]))
-  hidden = model.hidden_states(jnp.asarray([ids]))[:, :22]
+  hidden = model.hidden_states(jnp.asarray([ids]))[0][:, :22]
   want = model.mtp(hidden, model.embed_tokens[...][jnp.asarray([ids[1:]])], jnp.arange(22)[None])[0][0]
   np.testing.assert_allclose(np.concatenate(got), np.asarray(want), atol=5e-5, rtol=0)
 

@@ -98,7 +98,7 @@ def test_random_init_moves_every_mechanism(model):
 
 def test_mtp_draft_step(model):
   ids = jnp.asarray(np.random.default_rng(5).integers(1, 256, (2, 12)))
-  h = model.hidden_states(ids)
+  h = model.hidden_states(ids)[0]
   next_e = model.embed_tokens[...][jnp.roll(ids, -1, axis=1)]
   pos = jnp.broadcast_to(jnp.arange(12), (2, 12))
   draft = model.mtp(h, next_e, pos)[0]

@@ -493,11 +493,12 @@ class SparseMLAttention(nnx.Module):
 # Layers and model
 
 
-def reference_attend(attn, x, prev_indices):
-  """Whole-sequence attention without caches: KDA from zero state, DSA with its own indexer."""
+def reference_attend(attn, x, prev_indices, carry=None):
+  """Whole-sequence attention without caches: KDA from zero state, DSA with its own indexer; the
+  carry passes through unchanged."""
   if isinstance(attn, KimiDeltaAttention):
-    return attn(x)[0], None
-  return attn(x, prev_indices)
+    return attn(x)[0], None, carry
+  return *attn(x, prev_indices), carry
 
 
 class DecoderLayer(nnx.Module):
@@ -522,16 +523,20 @@ class DecoderLayer(nnx.Module):
     self.attn_hc = HyperConnection(config, dtype=dtype, rngs=rngs)
     self.ffn_hc = HyperConnection(config, dtype=dtype, rngs=rngs)
 
-  def __call__(self, streams, prev_indices=None, attend=None):
-    """One layer; ``attend(self_attn, x, prev_indices) -> (y, indices or None)`` is the attention
-    strategy (default: the whole-sequence reference; the paged step injects its cached form)."""
+  def __call__(self, streams, prev_indices=None, attend=None, carry=None):
+    """One layer -> ``(streams, indices or None, carry)``.
+
+    ``attend(self_attn, x, prev_indices, carry) -> (y, indices or None, carry)`` is the attention
+    strategy (default: the whole-sequence reference; the paged step injects its cached form, with
+    the caches as the carry, threaded through the layers as ``lax.scan`` threads its carry).
+    """
     post, comb, u = self.attn_hc(streams)
     x = self.input_layernorm(u)
-    y, indices = (attend or reference_attend)(self.self_attn, x, prev_indices)
+    y, indices, carry = (attend or reference_attend)(self.self_attn, x, prev_indices, carry)
     streams = HyperConnection.expand(post, comb, y, streams)
     post, comb, u = self.ffn_hc(streams)
     z = self.mlp(self.post_attention_layernorm(u))
-    return HyperConnection.expand(post, comb, z, streams), indices
+    return HyperConnection.expand(post, comb, z, streams), indices, carry
 
 
 class MTPLayer(nnx.Module):
@@ -553,14 +558,14 @@ class MTPLayer(nnx.Module):
     e = jnp.where((positions == 0)[..., None], 0.0, next_embeds).astype(hidden.dtype)
     return self.eh_proj(jnp.concatenate([self.enorm(e), self.hnorm(hidden)], axis=-1))
 
-  def __call__(self, hidden, next_embeds, positions, attend=None):
-    """``hidden [B, T, D]`` (post final norm) and the next tokens' embeddings -> ``(h', indices)``;
-    ``attend`` as in ``DecoderLayer``."""
+  def __call__(self, hidden, next_embeds, positions, attend=None, carry=None):
+    """``hidden [B, T, D]`` (post final norm) and the next tokens' embeddings -> ``(h', indices,
+    carry)``; ``attend`` and ``carry`` as in ``DecoderLayer``."""
     z = self.fuse(hidden, next_embeds, positions)
-    y, indices = (attend or reference_attend)(self.self_attn, self.input_layernorm(z), None)
+    y, indices, carry = (attend or reference_attend)(self.self_attn, self.input_layernorm(z), None, carry)
     z = z + y
     z = z + self.mlp(self.post_attention_layernorm(z))
-    return self.shared_head_norm(z), indices
+    return self.shared_head_norm(z), indices, carry
 
 
 class Glm5NextForCausalLM(nnx.Module):
@@ -594,22 +599,25 @@ class Glm5NextForCausalLM(nnx.Module):
     self.lm_head = _param(rngs, (config.vocab_size, d), dtype)
     self.mtp = MTPLayer(config, dtype=dtype, rngs=rngs, sharding=sharding) if config.num_nextn_predict_layers else None
 
-  def hidden_states(self, input_ids: Int[Array, "B T"], attend=None) -> Float[Array, "B T D"]:
-    """Post-final-norm hidden states (what the head and the MTP layer read).
+  def hidden_states(self, input_ids: Int[Array, "B T"], attend=None, carry=None):
+    """Post-final-norm hidden states ``[B, T, D]`` (what the head and the MTP layer read) and the
+    final carry.
 
-    ``attend(layer_index, self_attn, x, prev_indices) -> (y, indices)`` replaces the reference
-    attention (the paged step passes its cached form); the layer loop is the same for both.
+    ``attend(layer_index, self_attn, x, prev_indices, carry) -> (y, indices, carry)`` replaces the
+    reference attention (the paged step passes its cached form, its caches as ``carry``); the layer
+    loop is the same for both.
     """
     e = self.embed_tokens[...][input_ids]
     streams = jnp.broadcast_to(e[:, :, None], (*e.shape[:2], self.config.hc_mult, e.shape[-1]))
     indices = None
     for i, layer in enumerate(self.layers):
-      streams, out_indices = layer(streams, indices, None if attend is None else functools.partial(attend, i))
+      layer_attend = None if attend is None else functools.partial(attend, i)
+      streams, out_indices, carry = layer(streams, indices, layer_attend, carry)
       indices = out_indices if out_indices is not None else indices
-    return self.norm(jnp.mean(streams, axis=2))
+    return self.norm(jnp.mean(streams, axis=2)), carry
 
   def logits(self, hidden):
     return _linear(hidden, self.lm_head[...]).astype(jnp.float32)
 
   def __call__(self, input_ids: Int[Array, "B T"]) -> Float[Array, "B T V"]:
-    return self.logits(self.hidden_states(input_ids))
+    return self.logits(self.hidden_states(input_ids)[0])

@@ -378,23 +378,20 @@ def paged_hidden_states(
     layout: ``PagedLayout.from_plan(plan)``.
     implementation: the kernels' switch, ``"pallas"`` or ``"xla"``.
   """
-  state = {"caches": caches}
 
-  def attend(i, attn, x, prev_indices):  # x: [1, T, D], the step's tokens as one sequence
+  def attend(i, attn, x, prev_indices, caches):  # x: [1, T, D], the step's tokens as one sequence
     name = f"layers.{i}.self_attn"
     if isinstance(attn, KimiDeltaAttention):
       view = layout.view(f"{name}.kda")
-      y, state["caches"] = _kda_step(
-        attn, x[0], state["caches"], view, inputs, layout.state_dtype, implementation, layout.shards(view.tensor)
+      y, caches = _kda_step(
+        attn, x[0], caches, view, inputs, layout.state_dtype, implementation, layout.shards(view.tensor)
       )
-      return y[None], None
-    y, state["caches"], indices = _dsa_step(
-      attn, x[0], state["caches"], layout, name, inputs, prev_indices, implementation
-    )
-    return y[None], indices
+      return y[None], None, caches
+    y, caches, indices = _dsa_step(attn, x[0], caches, layout, name, inputs, prev_indices, implementation)
+    return y[None], indices, caches
 
-  hidden = model.hidden_states(inputs.input_ids[None], attend=attend)
-  return hidden[0], state["caches"]
+  hidden, caches = model.hidden_states(inputs.input_ids[None], attend=attend, carry=caches)
+  return hidden[0], caches
 
 
 def paged_forward(
@@ -440,21 +437,14 @@ def paged_mtp_forward(
       steps >= 1 under ``index_share_for_mtp_iteration``: no scoring, no indexer-cache write).
   """
   name = f"layers.{model.config.num_hidden_layers}.self_attn"
-  state = {"caches": caches}
 
-  def attend(attn, x, _):
-    y, state["caches"], indices = _dsa_step(
-      attn,
-      x[0],
-      state["caches"],
-      layout,
-      name,
-      inputs,
-      shared_indices,
-      implementation,
-      share_indices=shared_indices is not None,
+  def attend(attn, x, _, caches):
+    y, caches, indices = _dsa_step(
+      attn, x[0], caches, layout, name, inputs, shared_indices, implementation, share_indices=shared_indices is not None
     )
-    return y[None], indices
+    return y[None], indices, caches
 
-  h, indices = model.mtp(hidden[None], model.embed_tokens[...][next_ids][None], inputs.positions[None], attend=attend)
-  return h[0], state["caches"], indices
+  h, indices, caches = model.mtp(
+    hidden[None], model.embed_tokens[...][next_ids][None], inputs.positions[None], attend=attend, carry=caches
+  )
+  return h[0], caches, indices
