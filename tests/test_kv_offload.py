@@ -338,10 +338,10 @@ def test_swap_in_with_fewer_blocks_than_swapped_out():
   swap = SwapSpace(e.plan, 1 << 30)
   out = tuple([3, 4] if g == 0 else [] for g in range(groups))
   assert swap.swap_out("r", out)
-  swap.start_swap_out(caches)
+  swap.start_store_kv(caches)
   back = tuple([7] if g == 0 else [] for g in range(groups))  # one block fewer, elsewhere
   swap.swap_in("r", back)
-  after = {n: np.asarray(a) for n, a in swap.start_swap_in(caches).items()}
+  after = {n: np.asarray(a) for n, a in swap.start_load_kv(caches).items()}
   assert e.plan.layout == "packed"  # one arena: a block is one row
   (arena,) = after
   changed = after[arena] != before[arena]

@@ -22,7 +22,7 @@ from jaxkv.cache.kv_cache_config import CacheConfig
 from jaxkv.cache.kv_cache_report import render_plan
 from jaxkv.engine.draft_proposer import DraftProposer, ModelDraftProposer
 from jaxkv.engine.model_runner import ModelRunner, plan_for
-from jaxkv.engine.offload import DiskTier, HostTier, OffloadingConnector, SwapSpace, offload_fingerprint
+from jaxkv.engine.offload import DiskTier, HostTier, KVTransfer, OffloadingConnector, SwapSpace, offload_fingerprint
 from jaxkv.engine.parallel import make_mesh
 from jaxkv.engine.request import PromptLogprob, Request, RequestStatus, SamplingParams, StepOutput, is_int
 from jaxkv.engine.scheduler import Scheduler
@@ -193,6 +193,7 @@ class LLMEngine:
     )
     self.connector = self._make_connector(runner, config)
     self.swap = SwapSpace(self.plan, config.swap_space_bytes) if config.preemption_mode == "swap" else None
+    self.transfers: list[KVTransfer] = [t for t in (self.connector, self.swap) if t is not None]
     self.scheduler = Scheduler(
       self.kv,
       self.tables,
@@ -239,8 +240,8 @@ class LLMEngine:
 
   def wait_for_save(self) -> None:
     """Waits until every block offloaded so far is stored in its tier (``generate`` ends with it)."""
-    if self.connector is not None:
-      self.connector.wait_for_save()
+    for transfer in self.transfers:
+      transfer.wait_for_save()
 
   def render_plan(self, title: str = "") -> str:
     """The plan this engine serves from, as ``jaxkv inspect`` prints it."""
@@ -329,15 +330,14 @@ class LLMEngine:
     the others run on."""
     with self._lock:
       chunks = self.scheduler.schedule()
-      # Before the step, in this order: preempted blocks out (before their new owners write them),
-      # offloaded prefix blocks and swapped blocks in, then hits' KDA states into their slots.
+      # Before the step, in this order: every transfer's blocks out (preempted blocks, before their
+      # new owners write them), then in (offloaded prefix blocks, swapped blocks), then hits' KDA
+      # states into their slots.
       ex = self.executor
-      if self.swap is not None:
-        self.swap.start_swap_out(ex.caches)
-      if self.connector is not None:
-        ex.caches = self.connector.start_load_kv(ex.caches)
-      if self.swap is not None:
-        ex.caches = self.swap.start_swap_in(ex.caches)
+      for transfer in self.transfers:
+        transfer.start_store_kv(ex.caches)
+      for transfer in self.transfers:
+        ex.caches = transfer.start_load_kv(ex.caches)
       self._copy_blocks(self.kv.take_block_copies())
       out, failed = None, []
       if chunks:

@@ -6,9 +6,11 @@ from jaxkv.engine.offload.disk_tier import DiskTier
 from jaxkv.engine.offload.host_tier import HostTier
 from jaxkv.engine.offload.swap import SwapSpace
 from jaxkv.engine.offload.tier import OffloadKey, OffloadTier
+from jaxkv.engine.offload.transfer import KVTransfer
 
 __all__ = [
   "KVConnectorBase",
+  "KVTransfer",
   "OffloadingConnector",
   "offload_fingerprint",
   "DiskTier",

@@ -33,32 +33,10 @@ from jaxkv.host.block_pool import BlockHash
 from jaxkv.cache.kv_cache_config import KVCacheConfig
 from jaxkv.host.kv_cache_manager import KVCacheManager
 from jaxkv.engine.offload.tier import OffloadTier
+from jaxkv.engine.offload.transfer import KVTransfer, pinned_host_put
 from jaxkv.utils import next_power_of_2
 
-__all__ = ["KVConnectorBase", "OffloadingConnector", "offload_fingerprint", "pinned_host_put", "to_device"]
-
-
-def pinned_host_put(x: jax.Array):
-  """An asynchronous device-to-host copy into page-locked memory where the device has the
-  ``pinned_host`` memory kind; the array itself otherwise (read back later). A replicated array
-  (the caches on a mesh) is copied once, from this process's first device."""
-  if x.is_fully_replicated:
-    x = x.addressable_shards[0].data
-  device = next(iter(x.devices()))
-  if any(m.kind == "pinned_host" for m in device.addressable_memories()):
-    return jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
-  return x
-
-
-def to_device(rows, caches: dict[str, jax.Array]) -> jax.Array:
-  """Host rows (pinned or NumPy) back in device memory, one copy on each device the caches are on
-  (asynchronous; ``scatter_blocks`` then writes each device's share of split caches)."""
-  sharding = next(iter(caches.values())).sharding
-  if isinstance(sharding, jax.sharding.NamedSharding):
-    sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-  elif not sharding.is_fully_replicated:
-    raise ValueError(f"host rows go back to caches on one device or a mesh, got caches placed as {sharding}.")
-  return jax.device_put(rows, sharding.with_memory_kind("device"))
+__all__ = ["KVConnectorBase", "OffloadingConnector", "offload_fingerprint"]
 
 
 @jax.jit
@@ -101,12 +79,13 @@ def offload_fingerprint(plan: KVCacheConfig, params) -> str:
   return h.hexdigest()
 
 
-class KVConnectorBase(abc.ABC):
+class KVConnectorBase(KVTransfer):
   """The two sides of a connector, as the engine calls them each step.
 
-  Scheduler side: ``get_num_new_matched_tokens`` before a request is admitted. Worker side:
-  ``start_load_kv`` before the step is dispatched, ``save_kv`` after it, ``wait_for_save`` when
-  the caller needs the saves finished (end of ``generate``, shutdown).
+  Scheduler side: ``get_num_new_matched_tokens`` before a request is admitted. Worker side (a
+  ``KVTransfer``): ``start_load_kv`` before the step is dispatched, ``save_kv`` after it with the
+  blocks it completed, ``wait_for_save`` when the caller needs the saves finished (end of
+  ``generate``, shutdown).
   """
 
   @abc.abstractmethod
@@ -115,15 +94,8 @@ class KVConnectorBase(abc.ABC):
     returns how many tokens that adds."""
 
   @abc.abstractmethod
-  def start_load_kv(self, caches: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Dispatches the loads decided since the last call (caches donated)."""
-
-  @abc.abstractmethod
   def save_kv(self, caches: dict[str, jax.Array], blocks: Sequence[tuple[BlockHash, int, int]]) -> None:
     """Starts saving ``(block hash, group id, block id)`` blocks the last step completed."""
-
-  def wait_for_save(self) -> None:
-    """Blocks until every save is stored."""
 
 
 class OffloadingConnector(KVConnectorBase):

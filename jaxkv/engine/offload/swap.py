@@ -1,12 +1,14 @@
 """Swap on preemption (vLLM's ``--preemption-mode swap`` and ``--swap-space``): a preempted
 request's blocks move to host memory and back, instead of being recomputed.
 
-The scheduler preempts a request: ``swap_out`` records its blocks (every group: latents, pooled
-keys, tail ring, KDA state slots, by manager-block id) and the blocks go back to the pool at once.
-Before anything else in the next dispatch, ``start_swap_out`` gathers them on the device and
-copies them to host memory, so the new owners' writes, dispatched after, cannot reach them. When
-the request is admitted again with fresh blocks, ``swap_in`` pairs its saved blocks with the new
-ids (same group, same column) and ``start_swap_in`` scatters them back before its step: it
+A ``KVTransfer``, as the offload connector is: the scheduler side is swap's own (a preempted
+request's blocks by request id, not by content hash). The scheduler preempts a request:
+``swap_out`` records its blocks (every group: latents, pooled keys, tail ring, KDA state slots, by
+manager-block id) and the blocks go back to the pool at once. Before anything else in the next
+dispatch, ``start_store_kv`` gathers them on the device and copies them to host memory, so the new
+owners' writes, dispatched after, cannot reach them. When the request is admitted again with fresh
+blocks, ``swap_in`` pairs its saved blocks with the new ids (same group, same column) and
+``start_load_kv`` scatters them back before its step: it
 resumes with ``num_computed_tokens`` and its KDA state slot as they were. When the swap space is
 full, the request is recomputed instead: nothing accepted is lost either way.
 """
@@ -18,13 +20,13 @@ import numpy as np
 
 from jaxkv.step.block_copy import BlockRegions, gather_blocks, scatter_blocks
 from jaxkv.cache.kv_cache_config import KVCacheConfig
-from jaxkv.engine.offload.connector import pinned_host_put, to_device
+from jaxkv.engine.offload.transfer import KVTransfer, pinned_host_put, to_device
 from jaxkv.utils import next_power_of_2
 
 __all__ = ["SwapSpace"]
 
 
-class SwapSpace:
+class SwapSpace(KVTransfer):
   """Args: plan: the engine's KV-cache plan; capacity_bytes: host bytes for swapped blocks."""
 
   def __init__(self, plan: KVCacheConfig, capacity_bytes: int):
@@ -57,7 +59,7 @@ class SwapSpace:
     self.num_swapped_out += 1
     return True
 
-  def start_swap_out(self, caches: dict[str, jax.Array]) -> None:
+  def start_store_kv(self, caches: dict[str, jax.Array]) -> None:
     """Gathers the blocks of requests preempted since the last call and starts their copy to host."""
     for request_id, g, ids in self._out:
       padded = np.full((next_power_of_2(len(ids)),), -1, np.int32)
@@ -80,7 +82,7 @@ class SwapSpace:
       self._in.append((rows, ids, g))
     self.num_swapped_in += 1
 
-  def start_swap_in(self, caches: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  def start_load_kv(self, caches: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """Scatters the blocks of requests re-admitted since the last call (caches donated)."""
     for rows, ids, g in self._in:
       caches = scatter_blocks(caches, ids, to_device(rows, caches), regions=self.regions[g])
