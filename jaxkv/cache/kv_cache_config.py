@@ -65,8 +65,12 @@ class CacheConfig:
     block_size: manager block size in tokens (packed plans may scale it up).
     kernel_block_size: dense split of token caches into kernel blocks (None: no split).
     layout: ``"dense"`` or ``"packed"``.
-    kv_cache_dtype: MLA latents: ``"bfloat16"``, ``"float32"``, ``"fp8"`` or ``"auto"``.
-    indexer_cache_dtype: pooled indexer keys: ``"fp8"``, ``"bfloat16"``, ``"float32"`` or ``"auto"``.
+    kv_cache_dtype: attention KV entries (MLA latents): ``"bfloat16"``, ``"float32"``, ``"fp8"`` or
+      ``"auto"``.
+    indexer_cache_dtype: the keys of a sparse-attention indexer (DSA, as DeepSeek-V3.2 and GLM-5.x
+      have; GLM-5.3-Flash's pooled keys): ``"fp8"``, ``"bfloat16"``, ``"float32"`` or ``"auto"``.
+      A cache kind, as vLLM's ``CacheConfig`` names its kinds (``cache_dtype``,
+      ``mamba_cache_dtype``); a model without an indexer ignores it.
     state_dtype: tail rings and linear-attention conv windows, ``"bfloat16"``, ``"float32"`` or
       ``"auto"``. ``"auto"`` (every dtype's default, vLLM's ``--kv-cache-dtype auto``) is the model's
       dtype, resolved by ``resolve_dtypes``: the engine resolves it with its weights' dtype, a
