@@ -194,13 +194,20 @@ def sparse_mla_num_splits(
       written by the kernel and read back by the combine.
     multiprocessors: the GPU's SMs (None, interpret mode: an H100/H200's 132).
 
-  A 64 x 64 tile takes most of an SM's shared memory, so one program runs per SM and a split costs
-  (waves of programs) x (tiles per program) x ``tile_bytes`` on each SM, plus its share of the
-  partial results' traffic. Splits stay at most what gives two programs per SM (more only adds
-  partials); the cheapest count wins, the fewest on ties. 64 queries over 32 tiles run as 2 splits
-  (one wave of 16 tiles), not the 5 that filling two programs per SM gave (three waves of 7).
+  When a program per tile fits in two programs per SM (up to 8 queries over 33 tiles on 132 SMs),
+  every tile is its own split. A query's result then does not depend on how many queries share
+  its step, so a batch verifying drafts (1 + k queries a request) computes each query as the same
+  batch decoding does: the bitwise equality with and without speculation at any context.
+
+  Above that, a 64 x 64 tile takes most of an SM's shared memory, so one program runs per SM and a
+  split costs (waves of programs) x (tiles per program) x ``tile_bytes`` on each SM, plus its share
+  of the partial results' traffic. Splits stay at most what gives two programs per SM (more only
+  adds partials); the cheapest count wins, the fewest on ties. 64 queries over 32 tiles run as 2
+  splits (one wave of 16 tiles), not the 5 that filling two programs per SM gave (three waves of 7).
   """
   slots = multiprocessors or 132
+  if programs * num_blocks <= 2 * slots:
+    return num_blocks
 
   def cost(s):
     return cdiv(programs * s, slots) * cdiv(num_blocks, s) * tile_bytes + 2 * programs * s * partial_bytes / slots

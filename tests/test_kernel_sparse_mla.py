@@ -114,6 +114,12 @@ def test_num_splits_fill_one_wave_of_programs():
   # 64 queries on 132 SMs: 2 splits are one wave of 16 tiles; 5 (the old rule) were three waves of 7.
   assert sparse_mla_num_splits(64, 32, tile, partial, 132) == 2
   assert sparse_mla_num_splits(1, 32, tile, partial, 132) == 32  # one query spreads over its tiles
+  # Up to 8 queries: a tile per program, so a request verifying 3 drafts (4 queries a request)
+  # splits each query as decoding does (bitwise the same with and without speculation).
+  for batch in (1, 2):
+    assert sparse_mla_num_splits(4 * batch, 33, tile, partial, 132) == sparse_mla_num_splits(
+      batch, 33, tile, partial, 132
+    )
   assert sparse_mla_num_splits(2048, 32, tile, partial, 132) == 1  # a prefill step fills the GPU as it is
   assert sparse_mla_num_splits(1, 3, tile, partial, 132) == 3  # never more splits than tiles
   for programs in (1, 8, 32, 64, 200):  # at most two programs per SM
