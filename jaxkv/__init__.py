@@ -27,65 +27,11 @@ def _check_sibling_packages() -> None:
 
 _check_sibling_packages()
 
-from jaxkv.cache import (
-  CACHE_DTYPES,
-  LAYOUTS,
-  CacheDType,
-  AttentionBackend,
-  AttentionGroup,
-  AttentionSpec,
-  CacheConfig,
-  CircularBufferSpec,
-  FullAttentionSpec,
-  KernelView,
-  KVCacheConfig,
-  KVCacheGroupSpec,
-  KVCacheLayer,
-  KVCacheSpec,
-  KVCacheTensor,
-  LinearAttentionStateSpec,
-  MLAAttentionSpec,
-  MultipleOf,
-  SlidingWindowSpec,
-  customize_attention_spec,
-  is_block_size_supported,
-  plan_kv_cache,
-  render_plan,
-  select_common_block_size,
-)
-from jaxkv.host import (
-  BlockPool,
-  BlockTable,
-  CircularBufferManager,
-  FullAttentionManager,
-  KVCacheBlock,
-  KVCacheManager,
-  LinearAttentionStateManager,
-  MultiGroupBlockTable,
-  SingleTypeKVCacheManager,
-  SlidingWindowManager,
-  get_block_table_width,
-  hash_block_tokens,
-)
-from jaxkv.step import (
-  PAD_SLOT_ID,
-  BlockRegion,
-  BlockRegions,
-  KernelTableGroup,
-  SlotGroup,
-  StepInputs,
-  StepMetadata,
-  StepMetadataSpec,
-  compute_circular_slot_mapping,
-  compute_compressed_slot_mapping,
-  compute_slot_mapping,
-  copy_blocks,
-  gather_blocks,
-  map_group_to_kernel_blocks,
-  map_to_kernel_blocks,
-  req_indices_from_query_start_loc,
-  scatter_blocks,
-)
+# The three static-to-traced layers' public names, as each package lists them (its __all__).
+from jaxkv import cache as _cache, host as _host, step as _step
+from jaxkv.cache import *  # noqa: F403
+from jaxkv.host import *  # noqa: F403
+from jaxkv.step import *  # noqa: F403
 from jaxkv.utils import cdiv, round_up
 
 __version__ = "0.1.0"
@@ -108,72 +54,4 @@ def __getattr__(name: str):
   raise AttributeError(f"module 'jaxkv' has no attribute {name!r}")
 
 
-__all__ = [
-  # vLLM's offline API (jaxkv.entrypoints)
-  "LLM",
-  "SamplingParams",
-  "RequestOutput",
-  "CompletionOutput",
-  "Logprob",
-  # The cache layer (jaxkv.cache): specs
-  "KVCacheSpec",
-  "AttentionSpec",
-  "FullAttentionSpec",
-  "MLAAttentionSpec",
-  "SlidingWindowSpec",
-  "CircularBufferSpec",
-  "LinearAttentionStateSpec",
-  "MultipleOf",
-  "CacheDType",
-  "CACHE_DTYPES",
-  # Backends and attention groups
-  "AttentionBackend",
-  "customize_attention_spec",
-  "is_block_size_supported",
-  "select_common_block_size",
-  "AttentionGroup",
-  "KernelView",
-  # Planner
-  "LAYOUTS",
-  "CacheConfig",
-  "KVCacheConfig",
-  "KVCacheGroupSpec",
-  "KVCacheLayer",
-  "KVCacheTensor",
-  "plan_kv_cache",
-  "render_plan",
-  # The host layer (jaxkv.host)
-  "BlockPool",
-  "KVCacheBlock",
-  "KVCacheManager",
-  "SingleTypeKVCacheManager",
-  "FullAttentionManager",
-  "SlidingWindowManager",
-  "CircularBufferManager",
-  "LinearAttentionStateManager",
-  "hash_block_tokens",
-  "BlockTable",
-  "MultiGroupBlockTable",
-  "get_block_table_width",
-  # The step layer (jaxkv.step): jitted functions
-  "PAD_SLOT_ID",
-  "compute_slot_mapping",
-  "compute_circular_slot_mapping",
-  "compute_compressed_slot_mapping",
-  "req_indices_from_query_start_loc",
-  "map_to_kernel_blocks",
-  "map_group_to_kernel_blocks",
-  "StepInputs",
-  "StepMetadata",
-  "StepMetadataSpec",
-  "SlotGroup",
-  "KernelTableGroup",
-  # Whole manager blocks on the device (prefix-cache checkpoints, offload, swap: jaxkv.engine.offload)
-  "BlockRegion",
-  "BlockRegions",
-  "copy_blocks",
-  "gather_blocks",
-  "scatter_blocks",
-  "cdiv",
-  "round_up",
-]
+__all__ = [*_LAZY, *_cache.__all__, *_host.__all__, *_step.__all__, "cdiv", "round_up"]

@@ -30,7 +30,6 @@ __all__ = [
   "CircularBufferSpec",
   "LinearAttentionStateSpec",
   "dtype_size",
-  "cdiv",
 ]
 
 
