@@ -75,7 +75,6 @@ def _sparse_mla_kernel(
   *,
   latent_dim,
   block_k,
-  blocks_per_split,
   sm_scale,
   cache_dtype,
   col_align,
@@ -95,7 +94,7 @@ def _sparse_mla_kernel(
 
   def body(i, carry):
     m, s_sum, acc = carry
-    start = (split * blocks_per_split + i) * block_k
+    start = (first + i) * block_k
     row = rows_ref[t, pl.ds(start, block_k)]  # [BK]
     # Every entry starts col_align elements into its row (the view's static offsets): the hint lets
     # Triton load each row in 16-byte vectors instead of element by element.
@@ -128,11 +127,14 @@ def _sparse_mla_kernel(
     )
     return m_new, s_sum, acc
 
-  # The selected rows come first, so the tiles holding any are a prefix: the loop runs over exactly
-  # those, without a branch in its body (which would keep Triton from pipelining it). Short contexts
-  # select fewer than K tokens, and prefill queries and requests under 2k tokens run few tiles.
-  todo = jnp.maximum(count_ref[t] - split * blocks_per_split * block_k, 0)
-  tiles = jnp.minimum((todo + block_k - 1) // block_k, blocks_per_split)
+  # The selected rows come first, so the tiles holding any are a prefix: each split takes an even
+  # share of them (not a fixed run of the K columns, which short contexts leave empty past the
+  # first splits) and loops over exactly those, without a branch in its body (which would keep
+  # Triton from pipelining it). A query's share depends only on its own count and the split count.
+  n = (count_ref[t] + block_k - 1) // block_k
+  per = (n + pl.num_programs(2) - 1) // pl.num_programs(2)
+  first = split * per
+  tiles = jnp.clip(n - first, 0, per)
   init = (jnp.full((bh,), -jnp.inf, jnp.float32), jnp.zeros((bh,), jnp.float32), jnp.zeros((bh, l), jnp.float32))
   m, s_sum, acc = jax.lax.fori_loop(0, tiles, body, init)
   acc_ref[t, split, pl.ds(hb * bh, bh), :] = acc
@@ -355,7 +357,6 @@ def sparse_mla_decode(
     _sparse_mla_kernel,
     latent_dim=l,
     block_k=block_k,
-    blocks_per_split=blocks_per_split,
     sm_scale=sm_scale,
     cache_dtype=cache_dtype,
     col_align=math.gcd(view.offset_bytes, e) // elem,

@@ -51,8 +51,10 @@ def test_sparse_mla_decode(layout, cache_dtype, rank):
   args = (jnp.asarray(q), cache, jnp.asarray(idx), jnp.asarray(reqs), table)
   got = np.asarray(sparse_mla_decode(*args, **kw, implementation="pallas", block_k=16))
   ref = np.asarray(sparse_mla_decode(*args, **kw, implementation="xla"))
-  # The default tiles too (64 tokens, the selected rows of a query in one tile).
+  # The default tiles too (64 tokens, the selected rows of a query in one tile), and two splits of
+  # the three 16-token tiles: a query's selected tiles spread over them (2 + 1, or 1 + none).
   default_tiles = [np.asarray(sparse_mla_decode(*args, **kw, implementation="pallas"))] if layout == "dense" else []
+  two_splits = np.asarray(sparse_mla_decode(*args, **kw, implementation="pallas", block_k=16, num_splits=2))
   want = np.zeros_like(got, np.float64)
   for i, r in enumerate(reqs):
     sel = idx[i][idx[i] >= 0]
@@ -63,7 +65,7 @@ def test_sparse_mla_decode(layout, cache_dtype, rank):
     p = np.exp(s - s.max(-1, keepdims=True))
     want[i] = (p / p.sum(-1, keepdims=True)) @ c
   tol = 1e-5 if cache_dtype == "float32" else 3e-2
-  for out in (got, ref, *default_tiles):
+  for out in (got, ref, two_splits, *default_tiles):
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, want, rtol=tol, atol=tol)
   assert not got[0].any() and not got[-1].any()  # nothing selected -> zeros, not NaN
