@@ -28,6 +28,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 KPOOL, D_IDX, H_IDX, P = 4, 128, 32, 64
 H_MLA, L_MLA, TOPK = 64, 512, 2048
+E_MOE, D_MOE, F_MOE, K_MOE = 288, 4096, 2048, 8  # routed experts, hidden, expert width, experts per token
 # Swept at the goal sizes (``--sweep``); every setting is timed at each size and written down, and
 # the kernels' defaults are set from these runs (docs/kernels.md).
 SWEEP = [
@@ -40,6 +41,31 @@ SWEEP = [
     "sparse_mla_decode",
     [dict(batch=1, ctx=32768), dict(batch=64, ctx=32768)],
     [dict(block_k=k, block_h=h, num_warps=w) for k in (32, 64) for h in (16, 32, 64) for w in (4, 8)],
+  ),
+  # tokamax's Mosaic GPU ragged dot at the MoE's shapes: decode steps (a few rows per expert), then
+  # prefill steps of 2048 and 8192 tokens. {} is tokamax's own choice (its heuristics: no H200 data).
+  (
+    "grouped_matmul",
+    [dict(tokens=t, proj=p) for t in (1, 32) for p in ("gate_up", "down")],
+    [{}]
+    + [
+      dict(block_m=m, block_n=64, block_k=k, num_stages=s, split_k=1, persistent=False)
+      for m in (16, 64)
+      for k in (128, 256)
+      for s in (2, 4)
+    ],
+  ),
+  (
+    "grouped_matmul",
+    [dict(tokens=t, proj=p) for t in (2048, 8192) for p in ("gate_up", "down")],
+    [{}]
+    + [
+      dict(block_m=m, block_n=64, block_k=k, num_stages=s, split_k=1, persistent=pe)
+      for m in (64, 128)
+      for k in (128, 256)
+      for s in (2, 4)
+      for pe in (False, True)
+    ],
   ),
 ]
 # The defaults before issue 11 ("pallas_previous" in the table: the old kernels, same run).
@@ -160,6 +186,32 @@ def bench_sparse_mla(batch, ctx, impl, iters, repeats, cache_dtype="bfloat16", *
   t = _timeit(step, q, (cache, idx, reqs, table), iters, repeats)
   nbytes = batch * min(k, ctx) * e + q.nbytes + batch * H_MLA * L_MLA * 4
   return t, nbytes
+
+
+def bench_grouped_matmul(tokens, proj, impl, iters, repeats, **tune):
+  """One routed-expert projection of the released MoE: ``tokens`` x 8 rows (each token's 8 experts
+  drawn uniformly, rows sorted by expert) times ``[288, K, N]`` bf16 weights; ``proj`` ``"gate_up"``
+  (K 4096, N 2048: gate and up each run one) or ``"down"`` (2048 -> 4096). ``impl``: ``"pallas"``
+  is tokamax's kernel, ``tune`` its tiling. Bytes: the weights of the experts that have rows, the
+  rows in and out (prefill sizes are bound by the matmul rate instead: ``2 M K N`` FLOPs)."""
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels.grouped_matmul import grouped_matmul
+
+  rng = np.random.default_rng(7)
+  chosen = np.argsort(rng.random((tokens, E_MOE)), axis=1)[:, :K_MOE]
+  sizes = np.bincount(chosen.ravel(), minlength=E_MOE).astype(np.int32)
+  k, n = (D_MOE, F_MOE) if proj == "gate_up" else (F_MOE, D_MOE)
+  w = jax.random.normal(jax.random.key(8), (E_MOE, k, n), jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(9), (tokens * K_MOE, k), jnp.bfloat16)
+  implementation = "tokamax" if impl == "pallas" else impl
+
+  def step(x_, c):
+    out = grouped_matmul(x_, c[0], c[1], implementation=implementation, tiling=tune or None)
+    return x_ + _dep(out).astype(x_.dtype)
+
+  t = _timeit(step, x, (w, jnp.asarray(sizes)), iters, repeats)
+  return t, np.count_nonzero(sizes) * k * n * 2 + x.nbytes + tokens * K_MOE * n * 2
 
 
 def bench_bare_copy(nbytes, iters, repeats):
@@ -376,6 +428,7 @@ def run(args):
     "cache_write": bench_cache_write,
     "kpool_compress": bench_kpool,
     "step_metadata": bench_step_metadata,
+    "grouped_matmul": bench_grouped_matmul,
   }
   only = args.only.split(",") if args.only else list(fns)
   cases = [c for c in cases if c[0] in only]
@@ -393,12 +446,12 @@ def run(args):
     for kw in sizes:
       for tune in grid:
         try:
-          t, _ = fns[name](**kw, impl="pallas", iters=args.iters, repeats=args.repeats, **tune)
+          t, nbytes = fns[name](**kw, impl="pallas", iters=args.iters, repeats=args.repeats, **tune)
         except Exception as e:
           print(f"sweep {name} {kw} {tune}: {type(e).__name__}: {str(e)[:200]}", flush=True)
           continue
-        result["sweep"].append({"kernel": name, **kw, **tune, "us": t * 1e6})
-        print(f"sweep {name} {kw} {tune}: {t * 1e6:.1f} us", flush=True)
+        result["sweep"].append({"kernel": name, **kw, **tune, "us": t * 1e6, "frac_bw": nbytes / t / bw})
+        print(f"sweep {name} {kw} {tune}: {t * 1e6:.1f} us, {100 * nbytes / t / bw:.0f}% of BW", flush=True)
         save()
   if args.sweep_only:
     return
@@ -433,7 +486,7 @@ def run(args):
   print("\n" + table(result))
 
 
-_SIZE_KEYS = ("batch", "ctx", "tokens", "cache_dtype")
+_SIZE_KEYS = ("batch", "ctx", "tokens", "proj", "cache_dtype")
 
 
 def _fmt(r):

@@ -87,6 +87,7 @@ def grouped_matmul(
   *,
   precision=None,
   implementation: str = "auto",
+  tiling: dict | None = None,
 ) -> Float[Array, "M N"]:
   """``lhs`` rows grouped by ``group_sizes`` times their group's ``rhs`` matrix, in ``lhs.dtype``.
 
@@ -96,6 +97,8 @@ def grouped_matmul(
     group_sizes: int32 ``[G]`` rows per group (``sum <= M``).
     precision: the dot precision (the XLA path; the CPU reference runs HIGHEST).
     implementation: ``"auto"``, ``"tokamax"`` or ``"xla"``.
+    tiling: fields of tokamax's ``PallasMosaicRaggedDotConfig`` for its kernel (tuning:
+      ``benchmarks/kernels.py --sweep --only grouped_matmul``; None: tokamax's choice).
   """
   if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
     raise ValueError(f"lhs [M, K] and rhs [G, K, N] must agree in K, got {list(lhs.shape)} and {list(rhs.shape)}.")
@@ -105,9 +108,11 @@ def grouped_matmul(
   rhs = rhs.astype(lhs.dtype)
   if impl == "tokamax":
     import tokamax
+    from tokamax.ops.gpu import PallasMosaicRaggedDot, PallasMosaicRaggedDotConfig
 
+    kernel = "mosaic" if tiling is None else PallasMosaicRaggedDot(config=PallasMosaicRaggedDotConfig(**tiling))
     return tokamax.ragged_dot(
-      lhs, rhs, group_sizes.astype(jnp.int32), preferred_element_type=lhs.dtype, implementation="mosaic"
+      lhs, rhs, group_sizes.astype(jnp.int32), preferred_element_type=lhs.dtype, implementation=(kernel,)
     )
   return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision)
 
