@@ -108,9 +108,10 @@ def grouped_matmul(
   rhs = rhs.astype(lhs.dtype)
   if impl == "tokamax":
     import tokamax
-    from tokamax.ops.gpu import PallasMosaicRaggedDot, PallasMosaicRaggedDotConfig
+    # tokamax.ops.gpu re-exports these, but imports its Triton kernels (and jax_triton) with them.
+    from tokamax._src.ops.ragged_dot.pallas_mosaic_gpu import Config, PallasMosaicGpuRaggedDot
 
-    kernel = "mosaic" if tiling is None else PallasMosaicRaggedDot(config=PallasMosaicRaggedDotConfig(**tiling))
+    kernel = "mosaic" if tiling is None else PallasMosaicGpuRaggedDot(config=Config(**tiling))
     return tokamax.ragged_dot(
       lhs, rhs, group_sizes.astype(jnp.int32), preferred_element_type=lhs.dtype, implementation=(kernel,)
     )
