@@ -108,6 +108,7 @@ def grouped_matmul(
   rhs = rhs.astype(lhs.dtype)
   if impl == "tokamax":
     import tokamax
+
     # tokamax.ops.gpu re-exports these, but imports its Triton kernels (and jax_triton) with them.
     from tokamax._src.ops.ragged_dot.pallas_mosaic_gpu import Config, PallasMosaicGpuRaggedDot
 
