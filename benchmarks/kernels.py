@@ -29,6 +29,20 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 KPOOL, D_IDX, H_IDX, P = 4, 128, 32, 64
 H_MLA, L_MLA, TOPK = 64, 512, 2048
 E_MOE, D_MOE, F_MOE, K_MOE = 288, 4096, 2048, 8  # routed experts, hidden, expert width, experts per token
+
+
+def _moe_tilings(block_ms, persistent):
+  """tokamax's own choice (``{}``: its heuristics, as it has no H200 data), then explicit tilings
+  (N tiles fastest in the grid, its ``Config`` default)."""
+  return [{}] + [
+    dict(block_m=m, block_n=64, block_k=k, num_stages=s, split_k=1, persistent=p)
+    for m in block_ms
+    for k in (128, 256)
+    for s in (2, 4)
+    for p in persistent
+  ]
+
+
 # Swept at the goal sizes (``--sweep``); every setting is timed at each size and written down, and
 # the kernels' defaults are set from these runs (docs/kernels.md).
 SWEEP = [
@@ -43,29 +57,16 @@ SWEEP = [
     [dict(block_k=k, block_h=h, num_warps=w) for k in (32, 64) for h in (16, 32, 64) for w in (4, 8)],
   ),
   # tokamax's Mosaic GPU ragged dot at the MoE's shapes: decode steps (a few rows per expert), then
-  # prefill steps of 2048 and 8192 tokens. {} is tokamax's own choice (its heuristics: no H200 data).
+  # prefill steps of 2048 and 8192 tokens.
   (
     "grouped_matmul",
     [dict(tokens=t, proj=p) for t in (1, 32) for p in ("gate_up", "down")],
-    [{}]
-    + [
-      dict(block_m=m, block_n=64, block_k=k, num_stages=s, split_k=1, persistent=False)
-      for m in (16, 64)
-      for k in (128, 256)
-      for s in (2, 4)
-    ],
+    _moe_tilings((16, 64), (False,)),
   ),
   (
     "grouped_matmul",
     [dict(tokens=t, proj=p) for t in (2048, 8192) for p in ("gate_up", "down")],
-    [{}]
-    + [
-      dict(block_m=m, block_n=64, block_k=k, num_stages=s, split_k=1, persistent=pe)
-      for m in (64, 128)
-      for k in (128, 256)
-      for s in (2, 4)
-      for pe in (False, True)
-    ],
+    _moe_tilings((64, 128), (False, True)),
   ),
 ]
 # The defaults before issue 11 ("pallas_previous" in the table: the old kernels, same run).
