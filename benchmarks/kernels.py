@@ -29,6 +29,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 KPOOL, D_IDX, H_IDX, P = 4, 128, 32, 64
 H_MLA, L_MLA, TOPK = 64, 512, 2048
 E_MOE, D_MOE, F_MOE, K_MOE = 288, 4096, 2048, 8  # routed experts, hidden, expert width, experts per token
+H_KDA, D_KDA = 64, 128  # KDA heads, head dim (K = V)
 
 
 def _moe_tilings(block_ms, persistent):
@@ -55,6 +56,13 @@ SWEEP = [
     "sparse_mla_decode",
     [dict(batch=1, ctx=32768), dict(batch=64, ctx=32768)],
     [dict(block_k=k, block_h=h, num_warps=w) for k in (32, 64) for h in (16, 32, 64) for w in (4, 8)],
+  ),
+  # The KDA recurrence: prefill steps (one 2048-token request: a 32k prompt; two of 1024: the
+  # 32 x 1024 benchmark) and decode steps. The tile of V sets the programs per (request, head).
+  (
+    "kda_recurrence",
+    [dict(reqs=1, tokens=2048), dict(reqs=2, tokens=1024), dict(reqs=32, tokens=1), dict(reqs=1, tokens=1)],
+    [dict(block_v=b, num_warps=w) for b in (8, 16, 32, 64) for w in (1, 2, 4, 8)],
   ),
   # tokamax's Mosaic GPU ragged dot at the MoE's shapes: decode steps (a few rows per expert), then
   # prefill steps of 2048 and 8192 tokens.
@@ -213,6 +221,38 @@ def bench_grouped_matmul(tokens, proj, impl, iters, repeats, **tune):
 
   t = _timeit(step, x, (w, jnp.asarray(sizes)), iters, repeats)
   return t, np.count_nonzero(sizes) * k * n * 2 + x.nbytes + tokens * K_MOE * n * 2
+
+
+def bench_kda(reqs, tokens, impl, iters, repeats, **tune):
+  """The fused KDA recurrence of the released dimensions (64 heads, K = V = 128): ``reqs``
+  requests of ``tokens`` tokens each in one step, each saving its last token's state (prefill and
+  decode without drafts). Bytes: each request's float32 state read and its new state written, the
+  token inputs read and outputs written."""
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels.kda_recurrence import fused_recurrent_kda
+
+  t = reqs * tokens
+  keys = jax.random.split(jax.random.key(10), 6)
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # q and k are L2-normed in the model
+  q = unit(jax.random.normal(keys[0], (t, H_KDA, D_KDA), jnp.float32))
+  k = unit(jax.random.normal(keys[1], (t, H_KDA, D_KDA), jnp.float32))
+  v = jax.random.normal(keys[2], (t, H_KDA, D_KDA), jnp.float32)
+  g = -0.1 * jax.nn.softplus(jax.random.normal(keys[3], (t, H_KDA, D_KDA), jnp.float32))  # log-decay
+  beta = jax.nn.sigmoid(jax.random.normal(keys[4], (t, H_KDA), jnp.float32))
+  state = jax.random.normal(keys[5], (reqs, H_KDA, D_KDA, D_KDA), jnp.float32)
+  states = jnp.zeros((reqs, 1, H_KDA, D_KDA, D_KDA), jnp.float32)
+  # Requests in permuted rows; each saves the state after its last token (slot 0).
+  req = jnp.asarray(np.repeat(np.random.default_rng(5).permutation(reqs), tokens).astype(np.int32))
+  slot = jnp.asarray(np.tile(np.r_[np.full(tokens - 1, -1), 0], reqs).astype(np.int32))
+
+  def step(carry, c):
+    q_, states_ = carry
+    o, states_ = fused_recurrent_kda(q_, *c[:5], states_, *c[5:], implementation=impl, **tune)
+    return q_ + _dep(o), states_
+
+  sec = _timeit(step, (q, states), (k, v, g, beta, state, req, slot), iters, repeats)
+  return sec, 2 * state.nbytes + q.nbytes + k.nbytes + v.nbytes + g.nbytes + beta.nbytes + v.nbytes
 
 
 def bench_bare_copy(nbytes, iters, repeats):
@@ -430,6 +470,7 @@ def run(args):
     "kpool_compress": bench_kpool,
     "step_metadata": bench_step_metadata,
     "grouped_matmul": bench_grouped_matmul,
+    "kda_recurrence": bench_kda,
   }
   only = args.only.split(",") if args.only else list(fns)
   cases = [c for c in cases if c[0] in only]
@@ -487,7 +528,7 @@ def run(args):
   print("\n" + table(result))
 
 
-_SIZE_KEYS = ("batch", "ctx", "tokens", "proj", "cache_dtype")
+_SIZE_KEYS = ("batch", "reqs", "ctx", "tokens", "proj", "cache_dtype")
 
 
 def _fmt(r):

@@ -105,6 +105,12 @@ def grouped_matmul(
   if group_sizes.shape != rhs.shape[:1] or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
     raise ValueError(f"group_sizes must be int[{rhs.shape[0]}], got {group_sizes.dtype}{list(group_sizes.shape)}.")
   impl = grouped_matmul_implementation(implementation, lhs.dtype)
+  if tiling is not None and impl != "tokamax":
+    raise ValueError(
+      f"tiling {tiling} is for tokamax's kernel, but this call runs {impl!r} (implementation="
+      f"{implementation!r}, {lhs.dtype} rows, {jax.default_backend()}): drop tiling, or run bf16 rows "
+      "on a GPU with tokamax."
+    )
   rhs = rhs.astype(lhs.dtype)
   if impl == "tokamax":
     import tokamax

@@ -18,13 +18,15 @@ from pallas_kernels.grouped_matmul import (
 )
 
 ON_GPU_WITH_TOKAMAX = jax.default_backend() in ("gpu", "cuda") and _tokamax_available()
-IMPLEMENTATIONS = ["xla"] + (["tokamax"] if ON_GPU_WITH_TOKAMAX else [])
+# (implementation, tiling): tokamax's kernel with its own tiling and with one the sweep tries.
+TILE = dict(block_m=64, block_n=64, block_k=128, num_stages=4, split_k=1, persistent=False)
+PATHS = [("xla", None)] + ([("tokamax", None), ("tokamax", TILE)] if ON_GPU_WITH_TOKAMAX else [])
 DTYPE = jnp.bfloat16 if ON_GPU_WITH_TOKAMAX else jnp.float32
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("implementation, tiling", PATHS)
 @pytest.mark.parametrize("m, groups, k, n", [(8, 16, 128, 64), (67, 5, 256, 128), (512, 32, 128, 256)])
-def test_grouped_matmul_matches_definition(implementation, m, groups, k, n):
+def test_grouped_matmul_matches_definition(implementation, tiling, m, groups, k, n):
   rng = np.random.default_rng(m + groups)
   # Ragged sizes with empty groups, summing to m (as the MoE's sorted token copies do).
   cuts = np.sort(rng.integers(0, m + 1, groups - 1))
@@ -32,7 +34,8 @@ def test_grouped_matmul_matches_definition(implementation, m, groups, k, n):
   assert (sizes == 0).any() or groups > m // 2
   lhs = jnp.asarray(rng.standard_normal((m, k)), DTYPE)
   rhs = jnp.asarray(rng.standard_normal((groups, k, n)) / np.sqrt(k), DTYPE)
-  got = np.asarray(grouped_matmul(lhs, rhs, jnp.asarray(sizes), implementation=implementation), np.float32)
+  got = grouped_matmul(lhs, rhs, jnp.asarray(sizes), implementation=implementation, tiling=tiling)
+  got = np.asarray(got, np.float32)
   want = np.asarray(grouped_matmul_reference(lhs, rhs, jnp.asarray(sizes)))
   tol = 2e-2 if DTYPE == jnp.bfloat16 else 1e-5
   np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
@@ -56,6 +59,8 @@ def test_rows_past_the_groups_are_zero_and_errors_name_shapes():
     grouped_matmul(lhs, rhs, jnp.asarray([1, 2, 3], jnp.int32))
   with pytest.raises(ValueError, match="must be one of"):
     grouped_matmul(lhs, rhs, sizes, implementation="cuda")
+  with pytest.raises(ValueError, match=r"tiling \{'block_m': 64\} is for tokamax's kernel, but this call runs 'xla'"):
+    grouped_matmul(lhs, rhs, sizes, implementation="auto", tiling={"block_m": 64})
   assert grouped_matmul_implementation("auto", jnp.float32) == "xla"  # float32 runs stay exact everywhere
 
 
