@@ -16,9 +16,13 @@ Rooflines, from what the step does, over rates measured in the same run:
   output sent to the host (``jax.debug.callback``), which the timed pass does not have. Random
   weights route unevenly: fewer distinct experts than uniform routing's expectation
   ``E (1 - (1 - k/E)^batch)``, which is also reported.
-* prefill: the step's multiply-add FLOPs (2 x active parameters per token, sparse MLA over each
-  token's selected rows, the indexer's pooled keys, the KDA recurrence) over the rate of a large
-  bf16 GEMM.
+* prefill: per step (``ceil(batch x context / budget)`` equal steps), the larger of its multiply-add
+  FLOPs (2 x active parameters per token, sparse MLA over each token's selected rows, the indexer's
+  pooled keys, the KDA recurrence) over the rate of a large bf16 GEMM and its weight reads (the
+  dense weights and the distinct routed experts the router chose in the prefill steps, counted
+  as for decode) over the copy bandwidth: every step re-reads the experts its tokens route to, so
+  the step size moves this floor. The FLOPs alone over the GEMM rate are reported as well
+  (``prefill_compute_floor_s``).
 
 Writes one JSON line per measurement to ``--out`` and prints the table of docs/performance.md.
 
@@ -164,10 +168,30 @@ def prefill_flops(runner, batch: int, context: int) -> float:
   return flops
 
 
+def prefill_roofline(runner, flops: float, steps: int, distinct_experts: float, bandwidth: float, gemm: float) -> dict:
+  """Least time of a prefill of ``flops`` in ``steps`` equal steps: each step at least its FLOPs at
+  the GEMM rate and at least its weight reads at the copy bandwidth (the dense weights, and each MoE
+  layer's ``distinct_experts`` routed experts: re-read by every step, which is what a larger step
+  amortizes)."""
+  cfg = runner.config
+  sizes = _param_sizes(runner)
+  step_bytes = sizes["dense_bytes"] + sizes["routed_bytes"] * distinct_experts / cfg.n_routed_experts
+  compute_s, read_s = flops / steps / gemm, step_bytes / bandwidth
+  return {
+    "prefill_steps": steps,
+    "prefill_distinct_experts": distinct_experts,
+    "prefill_step_weight_bytes": step_bytes,
+    "prefill_step_compute_s": compute_s,
+    "prefill_step_read_s": read_s,
+    "prefill_roofline_s": steps * max(compute_s, read_s),
+  }
+
+
 def routed_experts_per_step(engine, prompts, new_tokens: int, steps: int) -> dict:
   """Distinct routed experts per MoE layer in the first ``steps`` steps in which every request
-  decodes, counted from the router's output: ``engine`` must be fresh (nothing compiled with its
-  statics), so its step is traced with ``MoE.route`` reporting to the host."""
+  decodes, and in each prefill step before them, counted from the router's output: ``engine`` must
+  be fresh (nothing compiled with its statics), so its step is traced with ``MoE.route`` reporting
+  to the host."""
   from unittest import mock
 
   import jax
@@ -176,12 +200,13 @@ def routed_experts_per_step(engine, prompts, new_tokens: int, steps: int) -> dic
   from jaxkv.engine.request import SamplingParams
   from models.glm5_next.model import MoE
 
-  batch, counts = len(prompts), []
+  batch, counts, prefill = len(prompts), [], []
   route = MoE.route
 
   def record(idx):
-    if idx.shape[0] == batch:  # decode steps run exactly `batch` tokens; prefill steps the budget
-      counts.append(len(np.unique(idx)))
+    # Decode steps run exactly `batch` tokens; prefill steps the budget (its padding rows are routed
+    # and multiplied as well, so they count).
+    (counts if idx.shape[0] == batch else prefill).append(len(np.unique(idx)))
 
   def reporting_route(self, x):
     idx, w = route(self, x)
@@ -194,6 +219,7 @@ def routed_experts_per_step(engine, prompts, new_tokens: int, steps: int) -> dic
       engine.step()
     jax.effects_barrier()
     counts.clear()
+    prefill_calls = list(prefill)
     for _ in range(steps):
       engine.step()
     jax.effects_barrier()
@@ -205,6 +231,8 @@ def routed_experts_per_step(engine, prompts, new_tokens: int, steps: int) -> dic
     "distinct_experts_min": int(np.min(counts)),
     "distinct_experts_max": int(np.max(counts)),
     "routing_calls": len(counts),
+    "prefill_distinct_experts": float(np.mean(prefill_calls)) if prefill_calls else 0.0,
+    "prefill_routing_calls": len(prefill_calls),
   }
 
 
@@ -317,8 +345,7 @@ def main() -> int:
         / bandwidth
         * 1e3,
         "prefill_flops": flops,
-        "prefill_roofline_s": flops / gemm,
-        "prefill_roofline_fraction": flops / gemm / result["prefill_s"],
+        "prefill_compute_floor_s": flops / gemm,
       }
       emit(row)
       runs.append((row, prompts, new_tokens, engine_config))
@@ -329,6 +356,9 @@ def main() -> int:
     need = decode_bytes(runner, row["batch"], args.context, routing["distinct_experts"], args.kv_cache_dtype)
     roof_ms = need["total_bytes"] / bandwidth * 1e3
     row.update({**routing, **need, "roofline_ms": roof_ms, "roofline_fraction": roof_ms / row["step_ms_p50"]})
+    steps = -(-row["batch"] * args.context // args.budget)
+    pre = prefill_roofline(runner, row["prefill_flops"], steps, routing["prefill_distinct_experts"], bandwidth, gemm)
+    row.update({**pre, "prefill_roofline_fraction": pre["prefill_roofline_s"] / row["prefill_s"]})
     emit({**row, "system": "jaxkv_roofline"})
 
   print(
