@@ -252,7 +252,8 @@ def bench_kda(reqs, tokens, impl, iters, repeats, **tune):
     return q_ + _dep(o), states_
 
   sec = _timeit(step, (q, states), (k, v, g, beta, state, req, slot), iters, repeats)
-  return sec, 2 * state.nbytes + q.nbytes + k.nbytes + v.nbytes + g.nbytes + beta.nbytes + v.nbytes
+  out_nbytes = v.nbytes  # o: [T, H, V] float32
+  return sec, 2 * state.nbytes + q.nbytes + k.nbytes + v.nbytes + g.nbytes + beta.nbytes + out_nbytes
 
 
 def bench_bare_copy(nbytes, iters, repeats):

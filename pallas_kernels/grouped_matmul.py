@@ -115,10 +115,12 @@ def grouped_matmul(
   if impl == "tokamax":
     import tokamax
 
-    # tokamax.ops.gpu re-exports these, but imports its Triton kernels (and jax_triton) with them.
-    from tokamax._src.ops.ragged_dot.pallas_mosaic_gpu import Config, PallasMosaicGpuRaggedDot
+    kernel = "mosaic"
+    if tiling is not None:  # tuning only: serving never reaches tokamax's private module
+      # tokamax.ops.gpu re-exports these, but imports its Triton kernels (and jax_triton) with them.
+      from tokamax._src.ops.ragged_dot.pallas_mosaic_gpu import Config, PallasMosaicGpuRaggedDot
 
-    kernel = "mosaic" if tiling is None else PallasMosaicGpuRaggedDot(config=Config(**tiling))
+      kernel = PallasMosaicGpuRaggedDot(config=Config(**tiling))
     return tokamax.ragged_dot(
       lhs, rhs, group_sizes.astype(jnp.int32), preferred_element_type=lhs.dtype, implementation=(kernel,)
     )

@@ -334,8 +334,7 @@ def sparse_mla_decode(
     num_splits = sparse_mla_num_splits(
       t * (hp // bh), num_blocks, block_k * e, bh * (l + 2) * 4, None if interpret else device_multiprocessors()
     )
-  blocks_per_split = cdiv(num_blocks, num_splits)
-  kp = num_splits * blocks_per_split * block_k
+  kp = num_blocks * block_k  # the splits share each query's tiles at run time: no padding per split
   # Each query's selected rows first, in their order (a stable partition by one scatter): the
   # kernel loops over the tiles that hold any and no further.
   count = jnp.sum(valid, axis=1, dtype=jnp.int32)
