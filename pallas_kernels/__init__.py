@@ -12,6 +12,8 @@ from pallas_kernels.cache_write import (
   write_to_paged_cache,
   write_to_paged_cache_reference,
 )
+from pallas_kernels.kda_chunk import ChunkPrefix, chunk_delta_rule, chunk_kda, chunk_kda_reference
+from pallas_kernels.kda_recurrence import delta_rule_step, fused_recurrent_kda, fused_recurrent_kda_reference
 from pallas_kernels.kpool import (
   combine_pool,
   indexer_page_bytes,
@@ -30,6 +32,13 @@ __all__ = [
   "encode_entries",
   "decode_entries",
   "entry_bytes",
+  "fused_recurrent_kda",
+  "fused_recurrent_kda_reference",
+  "delta_rule_step",
+  "chunk_kda",
+  "chunk_kda_reference",
+  "chunk_delta_rule",
+  "ChunkPrefix",
   "kpool_compress_and_write",
   "kpool_compress_and_write_reference",
   "combine_pool",

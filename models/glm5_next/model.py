@@ -24,6 +24,7 @@ from jaxtyping import Array, Float, Int
 from models.glm5_next.config import Glm5NextConfig
 from models.glm5_next.sharding import ModelSharding
 from pallas_kernels.grouped_matmul import grouped_matmul
+from pallas_kernels.kda_chunk import chunk_delta_rule
 from pallas_kernels.kda_recurrence import delta_rule_step
 from pallas_kernels.kpool import combine_pool
 from pallas_kernels.topk_selection import select_topk_tokens
@@ -259,32 +260,7 @@ def kda_chunked(q, k, v, g, beta, state, chunk_size: int = 64):
   n = (t + pad) // c
   split = lambda a: jnp.moveaxis(a.reshape(b, n, c, *a.shape[2:]), 1, 0)  # [n, B, C, H, ...]
   qs, ks, vs, gs, bs = map(split, (q, k, v, g, beta))
-  tri_strict = jnp.tril(jnp.ones((c, c), bool), -1)
-  tri = jnp.tril(jnp.ones((c, c), bool))
-
-  def step(s0, inp):
-    qc, kc, vc, gc, bc = inp  # [B, C, H, K], beta [B, C, H]
-    gam = jnp.cumsum(gc, axis=1)  # [B, C, H, K]
-    diff = gam[:, :, None] - gam[:, None, :]  # [B, r, j, H, K]
-    # Mask the exponent, not the product: r < j differences can overflow exp.
-    decay_strict = jnp.exp(jnp.where(tri_strict[None, :, :, None, None], diff, -jnp.inf))
-    decay = jnp.exp(jnp.where(tri[None, :, :, None, None], diff, -jnp.inf))
-    a = bc.transpose(0, 2, 1)[..., None] * jnp.einsum("brhk,bjhk,brjhk->bhrj", kc, kc, decay_strict, precision=_HP)
-    eye = jnp.eye(c, dtype=a.dtype)
-    tinv = jax.scipy.linalg.solve_triangular(eye + a, jnp.broadcast_to(eye, a.shape), lower=True, unit_diagonal=True)
-    bv = bc[..., None] * vc  # [B, C, H, K]
-    bk = bc[..., None] * kc * jnp.exp(gam)
-    rhs = bv.transpose(0, 2, 1, 3) - jnp.einsum("bhck,bhkv->bhcv", bk.transpose(0, 2, 1, 3), s0, precision=_HP)
-    u = jnp.einsum("bhrj,bhjv->bhrv", tinv, rhs, precision=_HP)  # [B, H, C, V]
-    m = jnp.einsum("brhk,bjhk,brjhk->bhrj", qc, kc, decay, precision=_HP)
-    o = jnp.einsum("bhck,bhkv->bhcv", (qc * jnp.exp(gam)).transpose(0, 2, 1, 3), s0, precision=_HP)
-    o = o + jnp.einsum("bhrj,bhjv->bhrv", m, u, precision=_HP)
-    last = gam[:, -1]  # [B, H, K]
-    s1 = s0 * jnp.exp(last)[..., None] + jnp.einsum(
-      "bchk,bhcv->bhkv", kc * jnp.exp(last[:, None] - gam), u, precision=_HP
-    )
-    return s1, o.transpose(0, 2, 1, 3)
-
+  step = lambda s0, inp: jax.vmap(chunk_delta_rule)(s0, *inp)
   state, o = jax.lax.scan(step, state, (qs, ks, vs, gs, bs))
   o = jnp.moveaxis(o, 0, 1).reshape(b, n * c, h, d)
   return o[:, :t], state

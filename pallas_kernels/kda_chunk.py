@@ -1,0 +1,343 @@
+"""Chunkwise KDA: the delta rule over 64-position chunks of a fixed grid, for prefill.
+
+The recurrence of ``kda_recurrence`` (per token: ``s <- diag(exp(g)) s``, ``u = beta (v - s^T k)``,
+``s <- s + k u^T``, ``o = s^T q``) has a chunked form (the WY form of the delta rule,
+flash-linear-attention's ``chunk_kda``): with ``gam`` the cumulative log-decay from a chunk's start
+and ``S0`` the state there, a chunk's ``C`` outputs and its end state are a few ``C x C`` and
+``C x K`` matrix products instead of ``C`` dependent steps:
+
+    A[i, j] = beta_i sum_k k_ik k_jk exp(gam_ik - gam_jk)        (j < i)
+    M[i, j] =        sum_k q_ik k_jk exp(gam_ik - gam_jk)        (j <= i)
+    U  = (I + A)^-1 (beta v - (beta k exp(gam)) S0)
+    o  = (q exp(gam)) S0 + M U
+    S1 = diag(exp(gam_last)) S0 + (k exp(gam_last - gam))^T U
+
+**Why a fixed grid.** A position's output depends on where its chunk starts. Chunk ``c`` of a
+request is always its positions ``[cC, cC + C)``, so a position is computed the same way, bit for
+bit, however the prompt is cut into steps (the scheduler's prefill chunks, a recompute after
+preemption). A step that ends inside a chunk leaves the state at the chunk's start and the chunk's
+rows so far (``k, g, v, beta``: the *prefix*); the next step recomputes that chunk from them with
+its own rows added. Every row's results depend only on the rows before it, and the rows not yet
+there are zeros, which add exact zeros.
+
+Layout: a request's tokens are contiguous and in position order in the flat batch (``StepInputs``);
+this step's tokens of request ``r`` continue from ``state[r]`` (the state at the start of the chunk
+holding its first position) and ``prefix`` (that chunk's rows before it). The wrapper gathers the
+step's chunks, prefix rows included, into chunk-major rows, and one program per (request, head,
+block of V) runs its request's chunks in order.
+
+``"xla"`` is the CPU path and the reference: a scan over the same chunks, each by
+``chunk_delta_rule`` (which the model's ``kda_chunked`` uses too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels._common import default_interpret, resolve_implementation
+
+__all__ = ["chunk_kda", "chunk_kda_reference", "chunk_delta_rule", "ChunkPrefix", "CHUNK_SIZE"]
+
+# The grid every request's positions are cut on (fla's chunk size).
+CHUNK_SIZE = 64
+# Rows of a diagonal sub-block: decays inside one are taken element by element (exact for any
+# gate); across sub-blocks they factor through the later block's first row (both factors <= 1).
+_SUB = 16
+_HP = jax.lax.Precision.HIGHEST
+
+
+def _dot(a, b):
+  return jnp.dot(a, b, precision=_HP, preferred_element_type=jnp.float32)
+
+
+def _chunk_kda_kernel(
+  first_ref, num_ref, rem_ref, q_ref, k_ref, g_ref, v_ref, beta_ref, state_ref, o_ref, state_out_ref, *, chunk, block_v
+):
+  # first_ref / num_ref / rem_ref: [R] first chunk row-block, chunk count, rows of the last chunk
+  # (0: complete). q/k/g: [SUB + N*C, H, K] (SUB leading zero rows), v: [.., H, V], beta: [.., H];
+  # state_ref / state_out_ref: [R, H, K, V]; o_ref: [N*C, H, V].
+  r, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  cols = pl.ds(vb * block_v, block_v)
+  c = chunk
+  row = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
+  col = jax.lax.broadcasted_iota(jnp.int32, (1, c), 1)
+  eye = (row == col).astype(jnp.float32)
+  num, rem = num_ref[r], rem_ref[r]
+
+  def chunk(i, s):
+    n = first_ref[r] + i
+    base = _SUB + n * c
+    rows = pl.ds(base, c)
+    q, k, g, v = q_ref[rows, h, :], k_ref[rows, h, :], g_ref[rows, h, :], v_ref[rows, h, cols]
+    beta = beta_ref[rows, h][:, None]  # [C, 1]
+    gam = jnp.cumsum(g, axis=0)  # [C, K]
+    a = jnp.zeros((c, c), jnp.float32)
+    m = jnp.zeros((c, c), jnp.float32)
+    # Across sub-blocks: rows of block [i0, i0 + SUB) against every earlier row, through row i0.
+    for i0 in range(_SUB, c, _SUB):
+      g0 = jnp.sum(jnp.where(row == i0, gam, 0.0), axis=0)[None, :]  # [1, K]
+      before, block = row < i0, (row >= i0) & (row < i0 + _SUB)
+      right = jnp.where(before, k * jnp.exp(jnp.where(before, g0 - gam, 0.0)), 0.0)  # [C, K]
+      e = jnp.exp(jnp.where(block, gam - g0, 0.0))
+      a += _dot(jnp.where(block, k * e, 0.0), right.T)
+      m += _dot(jnp.where(block, q * e, 0.0), right.T)
+
+    # Inside a sub-block: the d-th sub-diagonal from rows shifted d up (the leading zero rows and
+    # the chunk before are masked), its decay the sum of the d latest g's.
+    def diagonal(d, carry):
+      a, m, win = carry
+      win = win + g_ref[pl.ds(base - d + 1, c), h, :]
+      kd = k_ref[pl.ds(base - d, c), h, :] * jnp.exp(win)
+      place = ((row % _SUB) >= d) & (col == row - d)
+      a = a + jnp.where(place, jnp.sum(k * kd, axis=1, keepdims=True), 0.0)
+      m = m + jnp.where(place, jnp.sum(q * kd, axis=1, keepdims=True), 0.0)
+      return a, m, win
+
+    a, m, _ = jax.lax.fori_loop(1, _SUB, diagonal, (a, m, jnp.zeros_like(g)))
+    m = m + jnp.where(col == row, jnp.sum(q * k, axis=1, keepdims=True), 0.0)
+    # (I + A)^-1 by forward substitution, row i = e_i - sum_{j<i} A_ij row j. Not by the power
+    # series of -A (products of squarings): for a repeated key, I + A nears the all-ones triangle
+    # and the series' terms reach ~1e17 before they cancel (tested).
+    a = beta * a
+
+    def substitute(i, inv):
+      ai = jnp.sum(jnp.where(row == i, a, 0.0), axis=0)[:, None]  # [C, 1]: A[i, :]
+      return jnp.where(row == i, eye - jnp.sum(ai * inv, axis=0, keepdims=True), inv)
+
+    inv = jax.lax.fori_loop(1, c, substitute, eye)
+    eg = jnp.exp(gam)
+    u = _dot(inv, beta * v - _dot(beta * k * eg, s))  # [C, BV]
+    o_ref[pl.ds(n * c, c), h, cols] = _dot(q * eg, s) + _dot(m, u)
+    last = jnp.sum(jnp.where(row == c - 1, gam, 0.0), axis=0)  # [K]
+    s1 = s * jnp.exp(last)[:, None] + _dot((k * jnp.exp(last[None, :] - gam)).T, u)
+    # A chunk the step does not finish leaves the state at its start (the prefix carries its rows).
+    return jnp.where((i < num - 1) | (rem == 0), s1, s)
+
+  state_out_ref[r, h, :, cols] = jax.lax.fori_loop(0, num, chunk, state_ref[r, h, :, cols])
+
+
+class ChunkPrefix(NamedTuple):
+  """Each request's rows of its unfinished chunk (rows ``[0, positions % C)``; zeros after):
+  ``k, g: [R, C, H, K]``, ``v: [R, C, H, V]``, ``beta: [R, C, H]`` (float32). ``C`` is the grid."""
+
+  k: Float[Array, "R C H K"]
+  g: Float[Array, "R C H K"]
+  v: Float[Array, "R C H V"]
+  beta: Float[Array, "R C H"]
+
+  @classmethod
+  def zeros(cls, num_reqs: int, heads: int, head_dim: int, value_dim: int, chunk_size: int = CHUNK_SIZE):
+    z = lambda *s: jnp.zeros((num_reqs, chunk_size, heads, *s), jnp.float32)
+    return cls(z(head_dim), z(head_dim), z(value_dim), z())
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunks:
+  """The step's chunks: ``src [SUB + N*C]`` row each chunk row is gathered from (the step's tokens
+  ``[0, T)``, the prefix rows ``[T, T + R*C)``, a zero row ``T + R*C``); per request ``first``
+  chunk, ``num`` chunks, ``rem`` rows of the last (0: complete), ``count`` tokens; per chunk its
+  ``owner`` (``R``: unused); per token its chunk row ``tok_row`` (``[0, N*C)``)."""
+
+  src: Int[Array, " X"]
+  first: Int[Array, " R"]
+  num: Int[Array, " R"]
+  rem: Int[Array, " R"]
+  count: Int[Array, " R"]
+  owner: Int[Array, " N"]
+  tok_row: Int[Array, " T"]
+
+
+def _chunks(req_indices, positions, num_reqs: int, c: int) -> _Chunks:
+  t, r = req_indices.shape[0], num_reqs
+  seen = jnp.where(req_indices >= 0, req_indices, r)
+  tok = jnp.arange(t, dtype=jnp.int32)
+  first_tok = jnp.full((r,), t, jnp.int32).at[seen].min(tok, mode="drop")
+  count = jnp.zeros((r,), jnp.int32).at[seen].add(1, mode="drop")
+  offset = jnp.where(count > 0, positions[jnp.minimum(first_tok, t - 1)] % c, 0)
+  num = (offset + count + c - 1) // c
+  first = jnp.cumsum(num) - num
+  # Chunks hold at least one token each, and a request's offset and tail add at most two.
+  n = max(1, min(t, t // c + 2 * r))
+  owner = jnp.searchsorted(jnp.cumsum(num), jnp.arange(n, dtype=jnp.int32), side="right").astype(jnp.int32)
+  o = jnp.minimum(owner, r - 1)[:, None]
+  idx = jnp.arange(c, dtype=jnp.int32)[None, :]
+  ci = jnp.arange(n, dtype=jnp.int32)[:, None] - first[o]
+  j = ci * c + idx - offset[o]  # position in the step's tokens of the request
+  used = owner[:, None] < r
+  from_tok = used & (j >= 0) & (j < count[o])
+  from_prefix = used & (ci == 0) & (idx < offset[o])
+  src = jnp.where(from_tok, first_tok[o] + j, jnp.where(from_prefix, t + o * c + idx, t + r * c))
+  src = jnp.concatenate([jnp.full((_SUB,), t + r * c, jnp.int32), src.reshape(-1)])
+  ri = jnp.maximum(req_indices, 0)
+  tok_row = first[ri] * c + offset[ri] + tok - first_tok[ri]
+  return _Chunks(src, first, num, (offset + count) % c, count, owner, tok_row)
+
+
+def _gather(x, pre, src):
+  """``x [T, H, ...]`` and the prefix's ``pre [R, C, H, ...]`` (None: zeros) -> chunk rows."""
+  t = x.shape[0]
+  zero = jnp.zeros((1, *x.shape[1:]), x.dtype)
+  if pre is None:
+    return jnp.concatenate([x, zero])[jnp.where(src < t, src, t)]
+  return jnp.concatenate([x, pre.reshape(-1, *x.shape[1:]), zero])[src]
+
+
+def _finish(o_rows, state, prefix, rows, ch: _Chunks, req_indices, c: int):
+  """Each token's output from its chunk row; the prefix: the rows of each request's unfinished
+  chunk (unchanged for requests without tokens)."""
+  o = jnp.where((req_indices >= 0)[:, None, None], o_rows[ch.tok_row], 0.0)
+  last = _SUB + (ch.first + ch.num - 1) * c
+  idx = jnp.arange(c, dtype=jnp.int32)
+  take = jnp.maximum(last, 0)[:, None] + idx[None, :]  # [R, C]
+  keep = idx[None, :] < ch.rem[:, None]
+  fresh = lambda x: jnp.where(keep.reshape(*keep.shape, *(1,) * (x.ndim - 1)), x[take], 0.0)
+  new = ChunkPrefix(*(fresh(x) for x in rows))
+  stay = ch.count == 0
+  prefix = jax.tree.map(lambda old, n: jnp.where(stay.reshape(-1, *(1,) * (old.ndim - 1)), old, n), prefix, new)
+  return o, state, prefix
+
+
+def _validate(q, k, v, g, beta, state, prefix, req_indices, positions):
+  t, h, kd = q.shape
+  r, _, _, vd = state.shape
+  if k.shape != q.shape or g.shape != q.shape or v.shape != (t, h, vd) or beta.shape != (t, h):
+    raise ValueError(
+      f"q, k, g must be [T, H, K], v [T, H, V] and beta [T, H] of one T, H; got q {list(q.shape)}, "
+      f"k {list(k.shape)}, g {list(g.shape)}, v {list(v.shape)}, beta {list(beta.shape)}."
+    )
+  if state.shape != (r, h, kd, vd):
+    raise ValueError(f"state must be [R, H, K, V] = [R, {h}, {kd}, {vd}], got {list(state.shape)}.")
+  c = prefix.k.shape[1] if prefix.k.ndim == 4 else -1
+  want = ChunkPrefix((r, c, h, kd), (r, c, h, kd), (r, c, h, vd), (r, c, h))
+  got = ChunkPrefix(*(tuple(x.shape) for x in prefix))
+  if got != want or c < _SUB or c & (c - 1):
+    raise ValueError(
+      f"prefix must be k, g [R, C, H, K], v [R, C, H, V], beta [R, C, H] with R = {r}, H = {h}, K = {kd}, "
+      f"V = {vd} and C a power of two >= {_SUB} (the chunk grid); got {[list(s) for s in got]}."
+    )
+  for name, a in (("req_indices", req_indices), ("positions", positions)):
+    if a.shape != (t,) or a.dtype != jnp.int32:
+      raise ValueError(f"{name} must be int32[{t}], got {a.dtype}{list(a.shape)}.")
+  if any(a.dtype != jnp.float32 for a in (q, k, v, g, beta, state, *prefix)):
+    raise ValueError("q, k, v, g, beta, the state and the prefix must be float32 (the recurrence runs in float32).")
+  return c
+
+
+@functools.partial(
+  jax.jit,
+  static_argnames=("block_v", "num_warps", "implementation", "interpret"),
+  donate_argnames=("state", "prefix"),
+)
+def chunk_kda(
+  q: Float[Array, "T H K"],
+  k: Float[Array, "T H K"],
+  v: Float[Array, "T H V"],
+  g: Float[Array, "T H K"],
+  beta: Float[Array, "T H"],
+  state: Float[Array, "R H K V"],
+  prefix: ChunkPrefix,
+  req_indices: Int[Array, " T"],
+  positions: Int[Array, " T"],
+  *,
+  block_v: int = 32,
+  num_warps: int = 4,
+  implementation: str = "auto",
+  interpret: bool | None = None,
+) -> tuple[Float[Array, "T H V"], Float[Array, "R H K V"], ChunkPrefix]:
+  """The delta rule over each request's tokens, chunk by chunk on the grid of ``prefix``'s ``C``.
+
+  Args:
+    q, k, g: float32 ``[T, H, K]`` (normed query and key, log-decay <= 0); v: ``[T, H, V]``;
+      beta: ``[T, H]`` write strength.
+    state: float32 ``[R, H, K, V]`` (donated): each request's state at the start of the chunk
+      holding its first position this step.
+    prefix: ``ChunkPrefix`` (donated): that chunk's rows before the first position (what the
+      call that computed them returned; ``ChunkPrefix.zeros`` for requests at position 0).
+    req_indices: int32 ``[T]`` request of each token, -1 for tokens this call skips (padding, or
+      tokens the caller runs recurrently); a request's tokens are contiguous and in order.
+    positions: int32 ``[T]`` each token's position in its request.
+    block_v, num_warps: the kernel's tile of V and Triton's warps.
+    implementation: ``"pallas"``, ``"xla"`` or ``"auto"`` (``resolve_implementation``).
+  Returns:
+    ``o`` float32 ``[T, H, V]`` (zero for skipped tokens); each request's ``state`` at the start of
+    the chunk holding its next position, and the ``prefix`` rows of that chunk (requests without
+    tokens: both unchanged).
+  """
+  c = _validate(q, k, v, g, beta, state, prefix, req_indices, positions)
+  if resolve_implementation(implementation) == "xla":
+    return chunk_kda_reference(q, k, v, g, beta, state, prefix, req_indices, positions)
+  r, h, kd, vd = state.shape
+  bv = min(block_v, vd)
+  if vd % bv or bv & (bv - 1) or bv < _SUB:
+    raise ValueError(f"block_v must be a power of two >= {_SUB} dividing V = {vd}, got {bv}.")
+  ch = _chunks(req_indices, positions, r, c)
+  rows = tuple(_gather(x, pre, ch.src) for x, pre in zip((k, g, v, beta), prefix))
+  n = ch.owner.shape[0]
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  o_rows, new_state = pl.pallas_call(
+    functools.partial(_chunk_kda_kernel, chunk=c, block_v=bv),
+    out_shape=(jax.ShapeDtypeStruct((n * c, h, vd), jnp.float32), jax.ShapeDtypeStruct(state.shape, jnp.float32)),
+    grid=(r, h, vd // bv),
+    in_specs=[any_spec] * 9,
+    out_specs=(any_spec, any_spec),
+    interpret=default_interpret(interpret),
+    compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+    name="chunk_kda",
+  )(ch.first, ch.num, ch.rem, _gather(q, None, ch.src), *rows, state)
+  return _finish(o_rows, new_state, prefix, rows, ch, req_indices, c)
+
+
+def chunk_kda_reference(q, k, v, g, beta, state, prefix, req_indices, positions):
+  """Plain jnp, same arguments: a scan over the step's chunks, each by ``chunk_delta_rule`` on its
+  request's state."""
+  r, c = state.shape[0], prefix.k.shape[1]
+  ch = _chunks(req_indices, positions, r, c)
+  rows = tuple(_gather(x, pre, ch.src) for x, pre in zip((k, g, v, beta), prefix))
+  n = ch.owner.shape[0]
+  per_chunk = lambda x: x[_SUB:].reshape(n, c, *x.shape[1:])
+
+  def step(states, inp):
+    i, qc, kc, gc, vc, bc = inp
+    owner = ch.owner[i]
+    o = jnp.minimum(owner, r - 1)
+    s1, out = chunk_delta_rule(states[o], qc, kc, vc, gc, bc)
+    done = (i - ch.first[o] < ch.num[o] - 1) | (ch.rem[o] == 0)
+    return states.at[owner].set(jnp.where(done, s1, states[o]), mode="drop"), out
+
+  xs = (jnp.arange(n), per_chunk(_gather(q, None, ch.src)), *(per_chunk(x) for x in rows))
+  new_state, o_rows = jax.lax.scan(step, state, xs)
+  return _finish(o_rows.reshape(n * c, *o_rows.shape[2:]), new_state, prefix, rows, ch, req_indices, c)
+
+
+def chunk_delta_rule(s0, q, k, v, g, beta):
+  """One chunk of the delta rule: ``s0 [H, K, V]``, ``q, k, g [C, H, K]``, ``v [C, H, V]``,
+  ``beta [C, H]`` -> ``(s1 [H, K, V], o [C, H, V])`` (the model's ``kda_chunked`` uses it too).
+  Decays are taken per element, masked in the exponent (``exp`` of a later-minus-earlier ``gam`` can
+  overflow), and ``(I + A)^-1`` by a triangular solve."""
+  hp = _HP
+  c = q.shape[0]
+  gam = jnp.cumsum(g, axis=0)  # [C, H, K]
+  diff = gam[:, None] - gam[None, :]  # [i, j, H, K]
+  tri = jnp.tril(jnp.ones((c, c), bool))[:, :, None, None]
+  strict = jnp.tril(jnp.ones((c, c), bool), -1)[:, :, None, None]
+  decay_strict = jnp.exp(jnp.where(strict, diff, -jnp.inf))
+  decay = jnp.exp(jnp.where(tri, diff, -jnp.inf))
+  a = beta.T[:, :, None] * jnp.einsum("ihk,jhk,ijhk->hij", k, k, decay_strict, precision=hp)  # [H, C, C]
+  eye = jnp.eye(c, dtype=a.dtype)
+  inv = jax.scipy.linalg.solve_triangular(eye + a, jnp.broadcast_to(eye, a.shape), lower=True, unit_diagonal=True)
+  bk = beta[..., None] * k * jnp.exp(gam)
+  rhs = (beta[..., None] * v).transpose(1, 0, 2) - jnp.einsum("chk,hkv->hcv", bk, s0, precision=hp)
+  u = jnp.einsum("hij,hjv->hiv", inv, rhs, precision=hp)  # [H, C, V]
+  m = jnp.einsum("ihk,jhk,ijhk->hij", q, k, decay, precision=hp)
+  o = jnp.einsum("chk,hkv->hcv", q * jnp.exp(gam), s0, precision=hp) + jnp.einsum("hij,hjv->hiv", m, u, precision=hp)
+  last = gam[-1]  # [H, K]
+  s1 = s0 * jnp.exp(last)[..., None] + jnp.einsum("chk,hcv->hkv", k * jnp.exp(last[None] - gam), u, precision=hp)
+  return s1, o.transpose(1, 0, 2)
