@@ -11,6 +11,8 @@ from jaxkv.cache.cache_dtype import CACHE_DTYPES, MODEL_DTYPES, CacheDType, chec
 from jaxkv.cache.kernel_view import KernelView, find_view
 from jaxkv.cache.kv_cache_config import (
   LAYOUTS,
+  LINEAR_PREFILL_CHUNK,
+  LINEAR_PREFILLS,
   CacheConfig,
   KVCacheConfig,
   KVCacheGroupSpec,
@@ -51,6 +53,8 @@ __all__ = [
   "KernelView",
   "find_view",
   "LAYOUTS",
+  "LINEAR_PREFILLS",
+  "LINEAR_PREFILL_CHUNK",
   "CacheConfig",
   "KVCacheConfig",
   "KVCacheGroupSpec",

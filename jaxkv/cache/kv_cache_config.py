@@ -41,6 +41,7 @@ from jaxkv.utils import round_up
 
 __all__ = [
   "CacheConfig",
+  "LINEAR_PREFILL_CHUNK",
   "KVCacheLayer",
   "KVCacheTensor",
   "KVCacheGroupSpec",
@@ -50,6 +51,9 @@ __all__ = [
 ]
 
 LAYOUTS = ("dense", "packed")
+LINEAR_PREFILLS = ("recurrent", "chunked")
+# The grid chunked linear-attention prefill cuts every request's positions on (fla's chunk size).
+LINEAR_PREFILL_CHUNK = 64
 _DTYPE_FIELDS = ("kv_cache_dtype", "indexer_cache_dtype", "state_dtype")
 _INT32_MAX = 2**31 - 1
 # Packed rows and layer offsets are multiples of this, so every layer's typed view (fp8, bf16,
@@ -76,6 +80,10 @@ class CacheConfig:
       dtype, resolved by ``resolve_dtypes``: the engine resolves it with its weights' dtype, a
       model's ``get_kv_cache_layers`` with its config's.
     num_speculative_tokens: drafts per step; the plan then covers ``max_model_len + k`` tokens.
+    linear_prefill: how a linear-attention layer (KDA) computes prompt tokens: ``"recurrent"``
+      (token by token, as decode) or ``"chunked"`` (the positions below a prompt's last multiple
+      of ``LINEAR_PREFILL_CHUNK`` in chunks of that grid; each state page then also holds the
+      rows of its unfinished chunk, and prefix caching reuses states only below that bound).
     memory_bytes: budget for all caches.
     max_model_len: longest request the plan must hold.
   """
@@ -87,12 +95,15 @@ class CacheConfig:
   indexer_cache_dtype: str = "auto"
   state_dtype: str = "auto"
   num_speculative_tokens: int = 0
+  linear_prefill: str = "recurrent"
   memory_bytes: int = 64 << 20
   max_model_len: int = 512
 
   def __post_init__(self):
     if self.layout not in LAYOUTS:
       raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}.")
+    if self.linear_prefill not in LINEAR_PREFILLS:
+      raise ValueError(f"linear_prefill must be one of {LINEAR_PREFILLS}, got {self.linear_prefill!r}.")
     for name in ("kv_cache_dtype", "indexer_cache_dtype"):
       check_cache_dtype(getattr(self, name), name=name, allowed=CACHE_DTYPES + ("auto",))
     check_cache_dtype(self.state_dtype, name="state_dtype", allowed=MODEL_DTYPES + ("auto",))
@@ -110,6 +121,11 @@ class CacheConfig:
   @property
   def dtypes_resolved(self) -> bool:
     return all(getattr(self, f) != "auto" for f in _DTYPE_FIELDS)
+
+  @property
+  def linear_prefill_chunk(self) -> int | None:
+    """The chunk grid of linear-attention prefill (None: recurrent prefill)."""
+    return LINEAR_PREFILL_CHUNK if self.linear_prefill == "chunked" else None
 
   @property
   def planned_model_len(self) -> int:

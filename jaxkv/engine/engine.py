@@ -439,6 +439,7 @@ class LLMEngine:
     known = max(min(end, num_known - 1) - c.start, 0)  # tokens whose successor is committed
     v["next_ids"][at : at + known] = req.token_ids(c.start + 1, c.start + 1 + known)
     v["state_slots"][req.row] = req.state_slot
+    v["num_prompt_tokens"][req.row] = len(req.prompt_token_ids)
     if c.samples:
       d, last = c.num_drafts, at + c.num_tokens
       v["sample_indices"][req.row, : d + 1] = np.arange(last - d - 1, last)

@@ -61,6 +61,7 @@ class PackedInputs:
     spec += [(f"count{g}", (r,), 0) for g in range(len(self.widths))]
     spec += [
       ("state_slots", (r,), 0),
+      ("num_prompt_tokens", (r,), 0),
       ("sample_indices", (r, 1 + k), -1),
       ("draft_ids", (r, k), 0),
       ("num_drafts", (r,), 0),
@@ -179,6 +180,7 @@ def _device_step(statics: _StepStatics, packing: PackedInputs, param_leaves, cac
     tuple(v[f"count{g}"] for g in groups),
     None,
     v["state_slots"],
+    v["num_prompt_tokens"],
   )  # metadata: _step's first act
   params = jax.tree.unflatten(statics.params_treedef, param_leaves)
   out, plp, caches, kernel_tables = _step(

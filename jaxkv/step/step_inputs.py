@@ -28,6 +28,9 @@ class StepInputs:
       (``pallas_kernels.compute_step_metadata`` over the tables and tokens above).
     state_slots: int32 ``[max_num_reqs]``: the linear-attention state slot each request
       continues from (the last, ``num_speculative_tokens``, unless drafts were rejected).
+    num_prompt_tokens: int32 ``[max_num_reqs]``: each request's prompt length (chunked
+      linear-attention prefill runs the positions below its last chunk boundary chunkwise); None
+      where no layer needs it.
   """
 
   input_ids: Int[Array, " T"]
@@ -37,3 +40,4 @@ class StepInputs:
   num_blocks: tuple[Int[Array, " R"], ...]
   metadata: StepMetadata
   state_slots: Int[Array, " R"]
+  num_prompt_tokens: Int[Array, " R"] | None = None

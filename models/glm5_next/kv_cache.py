@@ -136,14 +136,17 @@ def get_kv_cache_layers(
     else:
       k = config.linear_conv_kernel_dim - 1
       h, d = config.linear_num_heads // shards, config.linear_head_dim
+      # Chunked prefill: the unfinished chunk's k, g, v rows and beta (fp32), after the state.
+      chunk = cache_config.linear_prefill_chunk
+      rows = () if chunk is None else ((chunk, h, d),) * 3 + ((chunk, h),)
       layers.append(
         KVCacheLayer(
           f"{prefix}.kda",
           # q, k, v conv windows, then the fp32 delta-rule state.
           LinearAttentionStateSpec(
             block_size=block_size,
-            shapes=((k, conv_width),) * 3 + ((h, d, d),),
-            dtypes=(state_dtype,) * 3 + ("float32",),
+            shapes=((k, conv_width),) * 3 + ((h, d, d),) + rows,
+            dtypes=(state_dtype,) * 3 + ("float32",) * (1 + len(rows)),
             num_speculative_blocks=num_speculative_tokens,
           ),
           KDA_BACKEND,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,7 @@ from models.glm5_next.config import Glm5NextConfig
 from models.glm5_next.model import Glm5NextForCausalLM, KimiDeltaAttention
 from pallas_kernels.cache_write import encode_entries, write_to_paged_cache
 from pallas_kernels import resolve_implementation
+from pallas_kernels.kda_chunk import ChunkPrefix, chunk_kda
 from pallas_kernels.kda_recurrence import fused_recurrent_kda
 from pallas_kernels.kpool import kpool_compress_and_write
 from pallas_kernels.paged_mqa_logits import paged_mqa_logits, paged_mqa_logits_stages
@@ -73,6 +75,7 @@ class PagedLayout:
   views: tuple[KernelView, ...]
   split_tensors: tuple[tuple[str, int], ...] = ()
   xla_kernels: tuple[str, ...] = ()
+  linear_prefill_chunk: int | None = None  # CacheConfig.linear_prefill_chunk
 
   @classmethod
   def from_plan(cls, plan: KVCacheConfig) -> PagedLayout:
@@ -84,7 +87,7 @@ class PagedLayout:
         "jaxkv.engine.plan_for does."
       )
     split = tuple((t.name, t.shards) for t in plan.tensors if t.shards > 1)
-    return cls(cc.state_dtype, plan.views, split)
+    return cls(cc.state_dtype, plan.views, split, linear_prefill_chunk=cc.linear_prefill_chunk)
 
   def implementation(self, kernel: str, implementation: str) -> str:
     """``kernel``'s path under the step's switch: ``"xla"`` where it cannot run as a kernel here."""
@@ -128,9 +131,7 @@ def _per_device(attn, fn, args, in_axes, out_axes):
   return sharding.map(fn, args, in_axes, out_axes)
 
 
-def _kda_step(
-  attn, x, caches, view: KernelView, inputs: StepInputs, state_dtype: str, implementation: str, shards: int = 1
-):
+def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, layout: PagedLayout, implementation: str):
   """KDA over the flat batch on each request's state slots (its row of the layer's state group).
 
   A request owns ``S = 1 + num_speculative_tokens`` slots. The step continues from slot
@@ -140,7 +141,12 @@ def _kda_step(
   last token's to slot ``S-1``). After a verify step whose last ``n`` drafts were rejected, the state after the last
   accepted token is in slot ``S-1-n``: the host passes that slot next step, which is the rollback.
 
-  ``shards > 1``: the layer's cache is split by head over the mesh's tensor axis; each device
+  Chunked prefill (``layout.linear_prefill_chunk``): the positions below a request's last chunk
+  boundary of its prompt run by ``chunk_kda`` on that grid, the rest recurrently from the state
+  it leaves. A step whose last token is chunkwise leaves in slot ``S-1`` the state at its
+  chunk's start and the chunk's rows so far (the page's prefix), which the next step continues.
+
+  The layer's cache split by head over the mesh's tensor axis (``layout.shards``): each device
   reads and writes its heads' page (``view`` is one device's) where it runs their recurrence.
   """
   h, k, kw = attn.h, attn.k, attn.kw
@@ -148,23 +154,31 @@ def _kda_step(
   table = inputs.block_tables[view.kv_cache_group_id]  # [R, S] state blocks
   num_reqs, num_slots = table.shape
   arr = caches[view.tensor]
-  sdt = jnp.dtype(state_dtype)
+  sdt = jnp.dtype(layout.state_dtype)
+  shards, chunk = layout.shards(view.tensor), layout.linear_prefill_chunk
   if shards > 1 and (attn.head_sharding is None or attn.head_sharding.size != shards):
     raise ValueError(
       f"{view.layer_name} is split over {shards} devices by head, but the layer runs on "
       f"{1 if attn.head_sharding is None else attn.head_sharding.size}; plan the caches with the "
       "engine's tensor_parallel_size."
     )
-  page = _StatePage(view, h // shards, k, kw - 1, sdt)
+  if chunk is not None and inputs.num_prompt_tokens is None:
+    raise ValueError(
+      "chunked linear-attention prefill needs each request's prompt length: build StepInputs with "
+      "num_prompt_tokens (the engine's step does)."
+    )
+  page = _StatePage(view, h // shards, k, kw - 1, sdt, chunk)
   # Split pages are read and written on each device (its heads' bytes); whole ones where they are.
   on_pages = lambda fn, args, in_axes, out_axes: (
     attn.head_sharding.map(fn, args, in_axes, out_axes) if shards > 1 else fn(*args)
   )
   rows = jnp.take_along_axis(table, inputs.state_slots[:, None], axis=1)[:, 0]
-  conv, rec = on_pages(page.read, (arr, rows), (1, None), (3, 1))  # [R, kw-1, 3, C], [R, H, K, K]
+  prefix_axes = (2,) * len(page._prefix_shapes)
+  conv, rec, *prefix = on_pages(page.read, (arr, rows), (1, None), (3, 1) + prefix_axes)
   # Requests with tokens in this step; one whose first token is position 0 starts from zero state
   # (its block may be recycled and hold another request's bytes).
   req, pos = inputs.req_indices, inputs.positions
+  ri = jnp.maximum(req, 0)
   seen = jnp.where(req >= 0, req, num_reqs)
   fresh = jnp.zeros((num_reqs,), bool).at[seen].set(True, mode="drop")
   first_pos = jnp.full((num_reqs,), 2**30, jnp.int32).at[seen].min(pos, mode="drop")
@@ -173,8 +187,13 @@ def _kda_step(
   conv = jnp.where(starts_at_zero[:, None, None, None], 0, conv).astype(x.dtype)
   rec = jnp.where(starts_at_zero[:, None, None, None], 0.0, rec)
   # Slot of each token's resulting state; out of range (dropped) for the earlier tokens of a chunk.
-  slot = (num_slots - 1) - (last_pos[jnp.maximum(req, 0)] - pos)
+  slot = (num_slots - 1) - (last_pos[ri] - pos)
   slot = jnp.where((req >= 0) & (slot >= 0), slot, num_slots)
+  if chunk is not None:
+    # Chunkwise tokens have no state of their own: only a request's last token names a slot.
+    limit = inputs.num_prompt_tokens // chunk * chunk
+    chunked = (req >= 0) & (pos < limit[ri])
+    slot = jnp.where(chunked & (slot != num_slots - 1), num_slots, slot)
   written = jnp.zeros((num_reqs, num_slots), bool).at[seen, slot].set(True, mode="drop")
 
   mixed = attn.project(x)  # [T, 3, C]
@@ -182,61 +201,98 @@ def _kda_step(
   # Each token's conv window, oldest first: its request's kw-1 previous inputs come from this
   # step's tokens (a request's tokens are contiguous) or, before the chunk, from the conv state.
   t = x.shape[0]
-  rank = jnp.where(req >= 0, pos - first_pos[jnp.maximum(req, 0)], 0)[:, None]  # [T, 1]
+  rank = jnp.where(req >= 0, pos - first_pos[ri], 0)[:, None]  # [T, 1]
   tap = jnp.arange(kw, dtype=jnp.int32)[None, :]
   lag = (kw - 1) - tap
-  src = jnp.where(
-    rank >= lag, jnp.arange(t, dtype=jnp.int32)[:, None] - lag, t + jnp.maximum(req, 0)[:, None] * (kw - 1) + tap + rank
-  )
+  src = jnp.where(rank >= lag, jnp.arange(t, dtype=jnp.int32)[:, None] - lag, t + ri[:, None] * (kw - 1) + tap + rank)
   windows = jnp.concatenate([mixed, conv.reshape(-1, 3, c)])[src]  # [T, kw, 3, C]
   q, kk, v = attn.conv_qkv(windows, x.dtype)
   # The conv state after a token is its window's last kw-1 inputs.
   conv_slots = (
     jnp.zeros((num_reqs, num_slots) + conv.shape[1:], conv.dtype).at[seen, slot].set(windows[:, 1:], mode="drop")
   )
+  prefix_slots = []
+  if chunk is not None:
+    # Heads on axis 1 of the token arrays and the state, 2 of the prefix's.
+    chunk_fn = functools.partial(_chunk_kda_flat, implementation=layout.implementation("chunk_kda", implementation))
+    args = (q, kk, v, g, beta, rec, *prefix, jnp.where(chunked, req, -1), pos)
+    o_c, rec, *prefix = _per_device(attn, chunk_fn, args, (1,) * 6 + (2,) * 4 + (None, None), (1, 1) + (2,) * 4)
+    req_recurrent = jnp.where(chunked, -1, req)
+  else:
+    req_recurrent = req
   kda = functools.partial(
     fused_recurrent_kda, implementation=kernel_implementation("fused_recurrent_kda", implementation)
   )
-  args = (q, kk, v, g, beta, rec, jnp.zeros((num_reqs, num_slots) + rec.shape[1:], rec.dtype), req, slot)
+  args = (q, kk, v, g, beta, rec, jnp.zeros((num_reqs, num_slots) + rec.shape[1:], rec.dtype), req_recurrent, slot)
   o, rec_slots = _per_device(attn, kda, args, in_axes=(1, 1, 1, 1, 1, 1, 2, None, None), out_axes=(1, 2))
+  if chunk is not None:
+    o = jnp.where(chunked[:, None, None], o_c, o)
+    # A request whose last token is chunkwise: its last slot gets the state at that chunk's start
+    # (the recurrence left it empty) and the chunk's rows.
+    ends_chunked = fresh & (last_pos < limit)
+    last = rec_slots[:, -1]
+    rec_slots = rec_slots.at[:, -1].set(jnp.where(ends_chunked[:, None, None, None], rec, last))
+    prefix_slots = [jnp.zeros((num_reqs, num_slots) + p.shape[1:], p.dtype).at[:, -1].set(p) for p in prefix]
   y = attn.output(o, x)
   # Write back the slots this step produced.
   dest = jnp.where(written, table, arr.shape[0]).reshape(-1)
-  arr = on_pages(page.write, (arr, dest, conv_slots.astype(sdt), rec_slots), (1, None, 4, 2), (1,))
+  args = (arr, dest, conv_slots.astype(sdt), rec_slots, *prefix_slots)
+  arr = on_pages(page.write, args, (1, None, 4, 2) + (3,) * len(prefix_slots), (1,))
   return y, {**caches, view.tensor: arr}
+
+
+def _chunk_kda_flat(q, k, v, g, beta, state, pk, pg, pv, pb, req_indices, positions, *, implementation):
+  """``chunk_kda`` with the prefix as four arrays (each split by head on a mesh) and returned so."""
+  o, state, prefix = chunk_kda(
+    q, k, v, g, beta, state, ChunkPrefix(pk, pg, pv, pb), req_indices, positions, implementation=implementation
+  )
+  return (o, state, *prefix)
 
 
 @dataclasses.dataclass(frozen=True)
 class _StatePage:
   """One device's KDA page: the q, k, v conv windows ``[3, kw-1, C]`` (state dtype), then the
-  delta-rule state ``[H, K, K]`` (float32), for that device's ``H`` heads (``C = H * K``). Pages
-  are read and written as whole contiguous rows of 32-bit words, one slice per request."""
+  delta-rule state ``[H, K, K]`` (float32), for that device's ``H`` heads (``C = H * K``); with
+  chunked prefill (``chunk`` rows) then the unfinished chunk's ``k, g, v [chunk, H, K]`` and
+  ``beta [chunk, H]`` (float32, ``ChunkPrefix``). Pages are read and written as whole contiguous
+  rows of 32-bit words, one slice per request."""
 
   view: KernelView
   heads: int
   head_dim: int
   conv_rows: int
   state_dtype: jnp.dtype
+  chunk: int | None = None
 
   @property
   def _conv_words(self) -> int:
     return self.conv_rows * 3 * self.heads * self.head_dim * self.state_dtype.itemsize // 4
 
-  def read(self, arr, rows):
-    """Conv windows ``[R, kw-1, 3, C]`` and states ``[R, H, K, K]`` of blocks ``rows``."""
-    n_conv, c = self._conv_words, self.heads * self.head_dim
-    raw = _read_rows(_as_words(arr), rows, self.view.offset_bytes // 4, n_conv + self.heads * self.head_dim**2)
-    conv = _from_words(raw[:, :n_conv], self.state_dtype).reshape(-1, 3, self.conv_rows, c).transpose(0, 2, 1, 3)
-    rec = jax.lax.bitcast_convert_type(raw[:, n_conv:], jnp.float32).reshape(
-      -1, self.heads, self.head_dim, self.head_dim
-    )
-    return conv, rec
+  @property
+  def _prefix_shapes(self) -> tuple[tuple[int, ...], ...]:
+    if self.chunk is None:
+      return ()
+    h, d = self.heads, self.head_dim
+    return ((self.chunk, h, d),) * 3 + ((self.chunk, h),)
 
-  def write(self, arr, dest, conv_slots, rec_slots):
-    """``arr`` with slots ``[R, S, kw-1, 3, C]`` / ``[R, S, H, K, K]`` written to blocks ``dest [R * S]``
-    (out of range: not written)."""
+  def read(self, arr, rows):
+    """Conv windows ``[R, kw-1, 3, C]``, states ``[R, H, K, K]`` and (chunked) the prefix's four
+    arrays ``[R, chunk, H, ...]`` of blocks ``rows``."""
+    n_conv, c = self._conv_words, self.heads * self.head_dim
+    sizes = [self.heads * self.head_dim**2] + [math.prod(s) for s in self._prefix_shapes]
+    raw = _read_rows(_as_words(arr), rows, self.view.offset_bytes // 4, n_conv + sum(sizes))
+    conv = _from_words(raw[:, :n_conv], self.state_dtype).reshape(-1, 3, self.conv_rows, c).transpose(0, 2, 1, 3)
+    out, at = [conv], n_conv
+    for shape, n in zip(((self.heads, self.head_dim, self.head_dim),) + self._prefix_shapes, sizes):
+      out.append(jax.lax.bitcast_convert_type(raw[:, at : at + n], jnp.float32).reshape(-1, *shape))
+      at += n
+    return tuple(out)
+
+  def write(self, arr, dest, conv_slots, rec_slots, *prefix_slots):
+    """``arr`` with slots ``[R, S, kw-1, 3, C]`` / ``[R, S, H, K, K]`` (and the prefix's ``[R, S,
+    chunk, H, ...]``) written to blocks ``dest [R * S]`` (out of range: not written)."""
     num_reqs, num_slots = rec_slots.shape[:2]
-    parts = [conv_slots[..., i, :] for i in range(3)] + [rec_slots]  # q, k, v windows, then the state
+    parts = [conv_slots[..., i, :] for i in range(3)] + [rec_slots, *prefix_slots]  # as read
     new = jnp.concatenate([_to_words(p).reshape(num_reqs, num_slots, -1) for p in parts], axis=2)
     words = _write_rows(_as_words(arr), dest, self.view.offset_bytes // 4, new.reshape(num_reqs * num_slots, -1))
     return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(arr.shape)
@@ -383,9 +439,7 @@ def paged_hidden_states(
     name = f"layers.{i}.self_attn"
     if isinstance(attn, KimiDeltaAttention):
       view = layout.view(f"{name}.kda")
-      y, caches = _kda_step(
-        attn, x[0], caches, view, inputs, layout.state_dtype, implementation, layout.shards(view.tensor)
-      )
+      y, caches = _kda_step(attn, x[0], caches, view, inputs, layout, implementation)
       return y[None], None, caches
     y, caches, indices = _dsa_step(attn, x[0], caches, layout, name, inputs, prev_indices, implementation)
     return y[None], indices, caches
