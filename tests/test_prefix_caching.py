@@ -170,10 +170,10 @@ def test_state_checkpoint_is_found_restored_and_evicted_like_a_cached_block():
   kda_a = m.block_ids("a")[1][0]
   m.cache_blocks("a", prompt, 40)
   assert m.get_computed_blocks("probe", prompt) == (([], [], []), 0)  # token blocks, but no state checkpoint
-  assert m.checkpoint_states("a", prompt, 20) == []  # not a boundary
-  ((src, ckpt),) = m.checkpoint_states("a", prompt, 32)
+  assert m.checkpoint_states("a", prompt, 20, len(prompt)) == []  # not a boundary
+  ((src, ckpt),) = m.checkpoint_states("a", prompt, 32, len(prompt))
   assert src == kda_a and ckpt not in sum(m.block_ids("a"), [])
-  assert m.checkpoint_states("a", prompt, 32) == []  # once per boundary
+  assert m.checkpoint_states("a", prompt, 32, len(prompt)) == []  # once per boundary
   m.free("a")
   hits, n = m.get_computed_blocks("b", prompt[:35] + [99])
   assert n == 32 and [b.block_id for b in hits[1]] == [ckpt] and hits[2] == []
@@ -196,7 +196,7 @@ def test_eagle_drops_the_last_block_and_a_ring_must_divide_the_block():
     m = KVCacheManager([MLA, KDA], num_blocks=12, use_eagle=use_eagle)
     m.allocate_slots("a", 50)
     m.cache_blocks("a", prompt, 50)
-    assert all(m.checkpoint_states("a", prompt, end) for end in (16, 32, 48))
+    assert all(m.checkpoint_states("a", prompt, end, len(prompt)) for end in (16, 32, 48))
     assert m.get_computed_blocks("b", prompt)[1] == want
   with pytest.raises(ValueError, match="multiple of the tail ring's 12 slots"):
     KVCacheManager(
@@ -210,7 +210,7 @@ def test_abort_with_a_restore_pending_leaks_nothing():
   prompt = list(range(40))
   m.allocate_slots("a", 40)
   m.cache_blocks("a", prompt, 40)
-  m.checkpoint_states("a", prompt, 32)
+  m.checkpoint_states("a", prompt, 32, len(prompt))
   m.free("a")
   hits, n = m.get_computed_blocks("b", prompt)
   m.allocate_slots("b", 40, num_computed_tokens=n, new_computed_blocks=hits)
@@ -238,7 +238,7 @@ def test_checkpoint_fuzz_keeps_refcounts_consistent():
     for src, dst in m.take_block_copies():
       assert dst == m.block_ids(rid)[1][0] and src != dst
     for end in range(n + MB, len(prompt) + 1, MB):
-      for src, dst in m.checkpoint_states(rid, prompt, end):
+      for src, dst in m.checkpoint_states(rid, prompt, end, len(prompt)):
         assert m.block_pool.blocks[dst].ref_cnt == 0 and src == m.block_ids(rid)[1][0]
     m.cache_blocks(rid, prompt, len(prompt))
     live[rid] = prompt
@@ -341,3 +341,32 @@ def test_hit_on_another_requests_blocks_is_bitwise_cold():
   assert alone.num_cached_tokens == 0 and warm.num_cached_tokens == 2 * BS
   assert warm.output_token_ids == alone.output_token_ids
   assert warm.output_logprobs == alone.output_logprobs
+
+
+@pytest.mark.parametrize("linear_prefill", ["recurrent", "chunked"])
+def test_second_turn_hit_is_bitwise_cold(linear_prefill):
+  """A chat's second turn Q = P + P's answer + more reuses P's blocks. Recurrent prefill reuses the
+  KDA state P's decode checkpointed at 256; chunked prefill computes Q's positions below 256
+  chunkwise, P's past 128 (its prompt's bound) recurrently, so it reuses only up to 128. Either
+  way Q's tokens and top-5 log-probs are bitwise Q's alone, cold. (Dense: a packed block holding
+  the chunked pages would scale up to 256 tokens; synchronous: with a token in flight a decode
+  step's boundary is not checkpointed; one token bucket: P's answer is decoded in the bucket Q's
+  prompt is computed in, as bitwise claims need.)"""
+  rng = np.random.default_rng(30)
+  p = [int(t) for t in rng.integers(1, 256, 140)]
+
+  def engine():
+    cache = CacheConfig(block_size=BS, max_model_len=512, layout="dense", linear_prefill=linear_prefill)
+    config = EngineConfig(
+      cache=cache, max_num_reqs=1, enable_prefix_caching=True, async_scheduling=False, buckets=(64,)
+    )
+    return LLMEngine(runner(), config)
+
+  warm = engine()
+  (first,) = warm.generate([p], SamplingParams(max_tokens=130))
+  q = p + first.output_token_ids[:120] + [int(t) for t in rng.integers(1, 256, 10)]
+  (again,) = warm.generate([q], SAMPLING)
+  (cold,) = engine().generate([q], SAMPLING)
+  assert again.num_cached_tokens == (2 * BS if linear_prefill == "recurrent" else BS)
+  assert again.output_token_ids == cold.output_token_ids
+  assert again.output_logprobs == cold.output_logprobs

@@ -187,6 +187,7 @@ class LLMEngine:
       self.plan.num_blocks,
       enable_caching=config.enable_prefix_caching,
       use_eagle=k > 0,
+      linear_prefill_chunk=config.cache.linear_prefill_chunk,
     )
     self.tables = MultiGroupBlockTable(
       [g.kv_cache_spec.block_size for g in groups], config.max_num_reqs, self.plan.block_table_widths()
@@ -361,7 +362,9 @@ class LLMEngine:
       req = c.request
       self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
       if not c.num_drafts:  # the state after the chunk's last token is in the checkpointed slot
-        copies += self.kv.checkpoint_states(req.request_id, req.all_token_ids, c.start + c.num_tokens)
+        copies += self.kv.checkpoint_states(
+          req.request_id, req.all_token_ids, c.start + c.num_tokens, len(req.prompt_token_ids)
+        )
     self._copy_blocks(copies)
     newly_cached = self.kv.take_newly_cached()
     if self.connector is not None:  # after the checkpoint copies: they are among the blocks saved

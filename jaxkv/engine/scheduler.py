@@ -173,9 +173,10 @@ class Scheduler:
       if not swapped and request.sampling.prompt_logprobs is not None:
         request.num_computed_tokens = 0  # every prompt token's logits are wanted: no hit (vLLM too)
       elif not swapped:
+        ids = self.kv.reusable_tokens(request.all_token_ids, len(request.prompt_token_ids))
         if self.connector is not None:
-          self.connector.get_num_new_matched_tokens(self.kv, request.request_id, request.all_token_ids)
-        hits, request.num_computed_tokens = self.kv.get_computed_blocks(request.request_id, request.all_token_ids)
+          self.connector.get_num_new_matched_tokens(self.kv, request.request_id, ids)
+        hits, request.num_computed_tokens = self.kv.get_computed_blocks(request.request_id, ids)
       n = self._chunk_size(request, budget)
       request.row = self.free_rows.pop()
       if not self._allocate(request, n, hits):

@@ -280,15 +280,27 @@ class KVCacheManager:
     use_eagle: a draft layer (MTP) reads each position's successor token, so the last block of a
       hit is recomputed (vLLM's ``use_eagle``): its last draft-layer entry depends on the token
       after it, which the hit's hashes do not cover.
+    linear_prefill_chunk: the grid of chunked linear-attention prefill (``CacheConfig``; None:
+      recurrent). A state there depends on how the positions before it were computed, chunkwise
+      below a prompt's last multiple of the grid and recurrently after it, so states are
+      checkpointed and reused only below that bound of the request's own prompt
+      (``reusable_tokens``, ``checkpoint_states``): a hit then stays bitwise a cold run.
   """
 
   def __init__(
-    self, group_specs: Sequence[KVCacheSpec], num_blocks: int, *, enable_caching: bool = True, use_eagle: bool = False
+    self,
+    group_specs: Sequence[KVCacheSpec],
+    num_blocks: int,
+    *,
+    enable_caching: bool = True,
+    use_eagle: bool = False,
+    linear_prefill_chunk: int | None = None,
   ):
     token_sizes = {s.block_size for s in group_specs if not s.is_state}
     self.hash_block_size = min(token_sizes) if token_sizes else None
     self.enable_caching = enable_caching and self.hash_block_size is not None
     self.use_eagle = use_eagle
+    self.linear_prefill_chunk = linear_prefill_chunk
     self.block_pool = BlockPool(num_blocks, enable_caching=self.enable_caching)
     self.managers = [get_manager_for_spec(s, self.block_pool, g) for g, s in enumerate(group_specs)]
     self._token_managers = [m for m in self.managers if not m.spec.is_state]
@@ -314,6 +326,18 @@ class KVCacheManager:
     for i in range(len(hashes), len(token_ids) // bs):
       hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs]))
     return hashes
+
+  def _state_bound(self, num_prompt_tokens: int) -> int | None:
+    """The last position a checkpointed state may sit at (None: any)."""
+    if self.linear_prefill_chunk is None or not self._state_managers:
+      return None
+    return num_prompt_tokens // self.linear_prefill_chunk * self.linear_prefill_chunk
+
+  def reusable_tokens(self, token_ids: Sequence[int], num_prompt_tokens: int) -> Sequence[int]:
+    """The tokens a prefix hit of this request may cover, plus the one always computed: all of
+    ``token_ids``, or up to the state bound (``linear_prefill_chunk``). What the scheduler looks up."""
+    bound = self._state_bound(num_prompt_tokens)
+    return token_ids if bound is None else token_ids[: bound + 1]
 
   def find_prefix_hit(self, request_id: str, token_ids: Sequence[int], *, elsewhere: Lookup | None = None) -> int:
     """The one prefix-hit search: the hit's length in blocks.
@@ -456,18 +480,21 @@ class KVCacheManager:
       ]
 
   def checkpoint_states(
-    self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int
+    self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int, num_prompt_tokens: int
   ) -> list[tuple[int, int]]:
     """After a step whose last token of this request ends a block (and is no draft): checkpoints
     the request's recurrent states there. Returns ``(source, destination)`` block copies for the
     engine to dispatch right after that step; none when caching is off, the step did not end on a
-    boundary, the boundary's tokens are not all known yet, or it is checkpointed already."""
+    boundary, the boundary's tokens are not all known yet, it lies past the state bound of the
+    request's ``num_prompt_tokens`` (``linear_prefill_chunk``), or it is checkpointed already."""
     bs = self.hash_block_size
+    bound = self._state_bound(num_prompt_tokens)
     if (
       not self.enable_caching
       or not num_computed_tokens
       or num_computed_tokens % bs
       or num_computed_tokens > len(token_ids)
+      or (bound is not None and num_computed_tokens > bound)
     ):
       return []
     block_hash = self.block_hashes(request_id, token_ids[:num_computed_tokens])[num_computed_tokens // bs - 1]
