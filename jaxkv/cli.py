@@ -12,7 +12,7 @@ import time
 
 from jaxkv.engine.model_runner import get_model_family
 from jaxkv.cache.cache_dtype import CACHE_DTYPES, MODEL_DTYPES
-from jaxkv.cache.kv_cache_config import LAYOUTS, CacheConfig, plan_kv_cache
+from jaxkv.cache.kv_cache_config import LAYOUTS, LINEAR_PREFILLS, CacheConfig, plan_kv_cache
 from jaxkv.cache.kv_cache_report import render_plan
 
 __all__ = ["main", "build_parser"]
@@ -26,6 +26,7 @@ _FLAGS = {
   "block_size": "--block-size",
   "layout='dense'": "--layout dense",
   "layout": "--layout",
+  "linear_prefill": "--linear-prefill",
   "num_speculative_tokens": "--num-spec",
   "max_num_batched_tokens": "--max-num-batched-tokens",
   "max_num_reqs": "--max-num-reqs",
@@ -106,6 +107,7 @@ def cache_config_from_args(args, config) -> CacheConfig:
     indexer_cache_dtype=args.indexer_cache_dtype,
     state_dtype=args.dtype,
     num_speculative_tokens=args.num_spec,
+    linear_prefill=args.linear_prefill,
     memory_bytes=int(args.memory_gib * 2**30),
     max_model_len=args.max_model_len or config.max_position_embeddings,
   )
@@ -655,6 +657,13 @@ def _add_cache_args(p: argparse.ArgumentParser, kind: str) -> None:
     choices=_CACHE_DTYPES,
     default=d["indexer_cache_dtype"],
     help="pooled indexer key cache; auto: the model dtype",
+  )
+  p.add_argument(
+    "--linear-prefill",
+    choices=LINEAR_PREFILLS,
+    default="recurrent",
+    help="KDA prompt tokens: recurrent (token by token, as decode) or chunked (chunks of a 64-position "
+    "grid; larger KDA pages, states reused by prefix caching only below each prompt's last grid line)",
   )
   p.add_argument(
     "--num-spec",

@@ -212,6 +212,7 @@ def test_every_flag_has_help_and_the_cache_flags_come_from_one_place():
     "--dtype",
     "--kv-cache-dtype",
     "--indexer-cache-dtype",
+    "--linear-prefill",
     "--num-spec",
   }
   for name, sub in commands.items():

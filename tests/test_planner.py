@@ -100,6 +100,20 @@ def test_hybrid_state_pages_scale_the_block_size():
   assert token_bytes >= kda_page
 
 
+def test_chunked_linear_prefill_adds_the_unfinished_chunk_to_each_kda_page():
+  cfg = get_config("glm-5.3-flash")
+  pages = {}
+  for mode in ("recurrent", "chunked"):
+    cache = CacheConfig(block_size=1024, state_dtype="bfloat16", linear_prefill=mode)
+    (kda, *_) = [x.spec for x in get_kv_cache_layers(cfg, cache) if x.name.endswith(".kda")]
+    pages[mode] = kda.page_size_bytes
+  h, d = cfg.linear_num_heads, cfg.linear_head_dim
+  # k, g, v rows [64, H, K] and beta [64, H], float32.
+  assert pages["chunked"] - pages["recurrent"] == 64 * h * (3 * d + 1) * 4
+  with pytest.raises(ValueError, match="linear_prefill must be one of .*'chunkwise'"):
+    CacheConfig(linear_prefill="chunkwise")
+
+
 def test_errors_name_the_values():
   with pytest.raises(ValueError, match=r"No common block size for 64 \(glm5_indexer: 128, 256\)"):
     glm_plan(block_size=64, layout="dense", memory=1000 * GIB, max_len=4096)

@@ -190,6 +190,21 @@ def test_state_checkpoint_is_found_restored_and_evicted_like_a_cached_block():
   assert m.get_computed_blocks("d", prompt) == (([], [], []), 0)
 
 
+def test_chunked_prefill_bounds_checkpoints_and_hits_by_the_prompt():
+  """With a chunk grid, states sit only below a prompt's last grid line (50 tokens: 32)."""
+  m = KVCacheManager([MLA, KDA], num_blocks=12, linear_prefill_chunk=32)
+  prompt = list(range(50))
+  m.allocate_slots("a", 50)
+  m.cache_blocks("a", prompt, 50)
+  assert m.checkpoint_states("a", prompt, 48, len(prompt)) == []  # past 32
+  assert m.checkpoint_states("a", prompt, 32, len(prompt))
+  assert m.reusable_tokens(prompt, len(prompt)) == prompt[:33]
+  longer = prompt + [7] * 30  # its own bound, 64, reaches past the 48 that "a" did not checkpoint
+  assert m.get_computed_blocks("b", m.reusable_tokens(longer, len(longer)))[1] == 32
+  # Without state groups there is nothing to bound.
+  assert KVCacheManager([MLA], num_blocks=12, linear_prefill_chunk=32).reusable_tokens(prompt, 50) == prompt
+
+
 def test_eagle_drops_the_last_block_and_a_ring_must_divide_the_block():
   prompt = list(range(50))
   for use_eagle, want in ((False, 48), (True, 32)):  # 3 blocks match; with a draft layer one is recomputed

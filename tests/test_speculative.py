@@ -29,7 +29,19 @@ from jaxkv.engine.sampler import sample
 from jaxkv.host.kv_cache_manager import KVCacheManager
 from models.glm5_next import Glm5NextForCausalLM, get_kv_cache_layers
 from models.glm5_next.runner import Glm5NextRunner
-from test_engine_equivalence import CFG, LLMEngine, assert_close_runs, baseline, cfg, model, prompts, run, runner
+from test_engine_equivalence import (
+  CFG,
+  LLMEngine,
+  assert_close_runs,
+  baseline,
+  cfg,
+  chunked_baseline,
+  long_prompts,
+  model,
+  prompts,
+  run,
+  runner,
+)
 
 LONG = SamplingParams(max_tokens=12, logprobs=5)
 
@@ -98,6 +110,17 @@ def test_speculation_is_bitwise_identical_across_layouts_and_schedules():
   ):
     got, _ = forced_run(3, lambda step, i: (step + i) % 3 == 2, config=variant)
     assert got == want, variant
+
+
+def test_speculation_with_chunked_prefill():
+  """Chunked KDA prefill, prompts cut off the grid (chunks of 7), drafts accepted 0..3 at a time:
+  the tokens of the run without drafts (verify steps run recurrently, past the prompts' bound)."""
+  truth = {tuple(p): t for p, (t, _) in zip(long_prompts(), chunked_baseline())}
+  config = cfg(num_speculative_tokens=3, max_num_batched_tokens=7, linear_prefill="chunked")
+  engine = LLMEngine(runner(), config, draft_proposer=ForcedDrafts(truth, lambda step, i: (step + i) % 3 == 2))
+  reqs = engine.generate(long_prompts(), SamplingParams(max_tokens=5, logprobs=5))
+  assert 0 < engine.num_accepted_tokens < engine.num_draft_tokens
+  assert_close_runs([(r.output_token_ids, r.output_logprobs) for r in reqs], chunked_baseline(), atol=2e-6)
 
 
 def test_stop_token_inside_accepted_drafts():
