@@ -12,10 +12,13 @@ fixture has no MTP layer) with random prompts, compared with ``1x1-mtp``; ``-pal
 kernels (interpreted on the CPU; on a mesh, the KDA recurrence and sparse MLA decode run per device
 on its heads under ``shard_map``), ``-swap`` preemption by swapping (three requests that each grow
 into a third 128-token block, served with room for all, then on a second engine with room for one
-to grow at a time). ``1x1`` (any ``1x1-...``) runs on one device, unsharded; ``1x1`` is the baseline.
+to grow at a time), ``-chunked`` chunked KDA prefill with random prompts past its 64-position grid
+(on a tensor split each device also holds its heads' share of the unfinished chunk's rows). ``1x1``
+(any ``1x1-...``) runs on one device, unsharded; ``1x1`` is the baseline.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -36,6 +39,7 @@ def parse(name: str) -> dict:
     "swap": "swap" in flags,
     "pallas": "pallas" in flags,
     "mtp": "mtp" in flags,
+    "chunked": "chunked" in flags,
   }
 
 
@@ -142,11 +146,13 @@ def main() -> int:
     }
     runner = Glm5NextRunner.from_model(model, implementation="pallas" if c["pallas"] else "auto")
     k = 2 if c["mtp"] else 0
+    linear_prefill = "chunked" if c["chunked"] else "recurrent"
     cache = (
       CacheConfig(block_size=128, max_model_len=256, layout="dense", kernel_block_size=64, num_speculative_tokens=k)
       if c["dense"]
       else CacheConfig(block_size=128, max_model_len=256, num_speculative_tokens=k)
     )
+    cache = dataclasses.replace(cache, linear_prefill=linear_prefill)
     engine = LLMEngine(
       runner,
       EngineConfig(
@@ -164,10 +170,11 @@ def main() -> int:
     warm = engine.warmup()
     # Each cache array's row bytes: whole, and on one device (KDA states split by head: a share).
     cache_rows = {n: [a.shape[1], a.addressable_shards[0].data.shape[1]] for n, a in engine.executor.caches.items()}
-    if c["mtp"]:
+    if c["mtp"] or c["chunked"]:
       rng = np.random.default_rng(0)
+      lengths = (130, 20, 70) if c["chunked"] else (13, 27, 5, 19)
       reqs = engine.generate(
-        [[int(t) for t in rng.integers(1, 256, n)] for n in (13, 27, 5, 19)], SamplingParams(max_tokens=8, logprobs=5)
+        [[int(t) for t in rng.integers(1, 256, n)] for n in lengths], SamplingParams(max_tokens=8, logprobs=5)
       )
     else:
       reqs = engine.generate(prompts, sampling)

@@ -92,6 +92,13 @@ def test_pallas_kernels_per_device_match_one_device():
   _check_against(result["runs"]["1x2-dense-pallas"], result["runs"]["1x1-pallas"])
 
 
+def test_chunked_prefill_on_a_mesh_matches_one_device():
+  # Tensor parallel 2 in the dense layout: each device reads and writes its heads' share of the
+  # KDA pages, the unfinished chunk's rows included, and runs chunk_kda on its heads.
+  result = _run_worker("1x1-dense-chunked,1x2-dense-chunked")
+  _check_against(result["runs"]["1x2-dense-chunked"], result["runs"]["1x1-dense-chunked"])
+
+
 def test_mtp_drafting_on_a_mesh_matches_one_device():
   # Data 2 x tensor 2 with expert parallelism drafting with the MTP layer (k = 2) on a random model.
   result = _run_worker("1x1-mtp,2x2e-mtp")
