@@ -59,6 +59,7 @@ SPACE = {
   "num_spec": (0, 2),
   "prefix_caching": (False, True),
   "implementation": ("pallas", "xla"),
+  "linear_prefill": ("recurrent", "chunked"),
 }
 REFERENCE = {
   "dtype": "float32",
@@ -70,6 +71,7 @@ REFERENCE = {
   "num_spec": 0,
   "prefix_caching": False,
   "implementation": "xla",
+  "linear_prefill": "recurrent",
 }
 # Settings that must not change a bit of the output (for one model, dtypes, implementation and
 # number of drafts; drafts change the head's matmul shape, so across them only tokens must agree).
@@ -81,7 +83,11 @@ SWEEP = [
   {"layout": "dense", "block_size": 256, "kernel_block_size": 128, "num_spec": 0, "prefix_caching": False},
   {"layout": "dense", "block_size": 1024, "kernel_block_size": 128, "num_spec": 2, "prefix_caching": True},
 ]
-SWEEP_DTYPES = [("bfloat16", "bfloat16", "fp8", "pallas"), ("float32", "float32", "float32", "pallas")]
+SWEEP_DTYPES = [
+  ("bfloat16", "bfloat16", "fp8", "pallas", "recurrent"),
+  ("float32", "float32", "float32", "pallas", "recurrent"),
+  ("bfloat16", "bfloat16", "fp8", "pallas", "chunked"),
+]
 
 MODELS = {
   # name: (built-in config, overrides, prompt length, shared prefix, KV budget, max model len, budget, buckets)
@@ -146,9 +152,10 @@ def pairwise_cells(space: dict = SPACE) -> list[dict]:
 
 def all_cells() -> list[dict]:
   cells = [dict(REFERENCE)] + pairwise_cells()
-  for d, kv, ind, impl in SWEEP_DTYPES:
+  for d, kv, ind, impl, prefill in SWEEP_DTYPES:
     for s in SWEEP:
-      cells.append({"dtype": d, "kv_cache_dtype": kv, "indexer_cache_dtype": ind, "implementation": impl, **s})
+      dtypes = {"dtype": d, "kv_cache_dtype": kv, "indexer_cache_dtype": ind}
+      cells.append({**dtypes, "implementation": impl, "linear_prefill": prefill, **s})
   out, seen = [], set()
   # The reference first, then the kernels' cells (the XLA ones are baselines): what a call stopped
   # at its limit leaves out matters least.
@@ -201,6 +208,7 @@ def run_cell(model: str, cell: dict) -> dict:
         kv_cache_dtype=cell["kv_cache_dtype"],
         indexer_cache_dtype=cell["indexer_cache_dtype"],
         num_speculative_tokens=cell["num_spec"],
+        linear_prefill=_setting(cell, "linear_prefill"),
         memory_bytes=memory,
         max_model_len=max_len,
       )
@@ -234,7 +242,7 @@ def run_cell(model: str, cell: dict) -> dict:
 
 def compare(rows: list[dict]) -> list[dict]:
   """Adds each row's verdict: against the float32 XLA reference, and bitwise within its group."""
-  refs = {r["model"]: r for r in rows if all(r.get(k) == v for k, v in REFERENCE.items()) and "tokens" in r}
+  refs = {r["model"]: r for r in rows if all(_setting(r, k) == v for k, v in REFERENCE.items()) and "tokens" in r}
   groups: dict = {}
   for r in rows:
     if "tokens" in r:
@@ -277,8 +285,17 @@ def compare(rows: list[dict]) -> list[dict]:
   return rows
 
 
+def _setting(r: dict, key: str):
+  """A row's setting; rows written before ``linear_prefill`` existed ran recurrent prefill."""
+  return r.get(key, "recurrent" if key == "linear_prefill" else None)
+
+
 def _group(r: dict) -> tuple:
-  return r["model"], r["dtype"], r["kv_cache_dtype"], r["indexer_cache_dtype"], r["implementation"]
+  # Chunked and recurrent prefill sum in other orders: bitwise only within one of them.
+  return tuple(
+    _setting(r, k)
+    for k in ("model", "dtype", "kv_cache_dtype", "indexer_cache_dtype", "implementation", "linear_prefill")
+  )
 
 
 def markdown(rows: list[dict]) -> str:
@@ -293,6 +310,7 @@ def markdown(rows: list[dict]) -> str:
     "num_spec",
     "prefix_caching",
     "implementation",
+    "linear_prefill",
   ]
   head = [
     "model",
@@ -305,6 +323,7 @@ def markdown(rows: list[dict]) -> str:
     "drafts",
     "prefix",
     "impl",
+    "KDA prefill",
     "agree",
     "max dlogp",
     "hits",
@@ -314,7 +333,7 @@ def markdown(rows: list[dict]) -> str:
   ]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in rows:
-    vals = [str(r[c]) if r[c] is not None else "-" for c in cols]
+    vals = [str(_setting(r, c)) if _setting(r, c) is not None else "-" for c in cols]
     hits = "/".join(map(str, r.get("cached_tokens", []))) or "-"
     d = r.get("max_top1_logprob_diff")
     vals += [
@@ -368,10 +387,10 @@ def main(argv=None) -> int:
   p.add_argument("--markdown", metavar="JSONL", nargs="+", help="print the table of finished runs and exit")
   args = p.parse_args(argv)
   if args.markdown:
-    rows = {_key(r["model"], {k: r[k] for k in SPACE}): r for r in read_rows(args.markdown) if "model" in r}
+    rows = {_key(r["model"], {k: _setting(r, k) for k in SPACE}): r for r in read_rows(args.markdown) if "model" in r}
     order = {_key(m, c): i for i, (m, c) in enumerate((m, c) for m in MODELS for c in all_cells())}
     print(
-      markdown(compare(sorted(rows.values(), key=lambda r: order.get(_key(r["model"], {k: r[k] for k in SPACE}), -1))))
+      markdown(compare(sorted(rows.values(), key=lambda r: order.get(_key(r["model"], {k: _setting(r, k) for k in SPACE}), -1))))
     )
     return 0
   cells = all_cells()
@@ -389,7 +408,7 @@ def main(argv=None) -> int:
 
   out = pathlib.Path(args.out)
   done = {
-    _key(r["model"], {k: r[k] for k in SPACE}) for r in (read_rows([out]) if out.exists() else []) if "model" in r
+    _key(r["model"], {k: _setting(r, k) for k in SPACE}) for r in (read_rows([out]) if out.exists() else []) if "model" in r
   }
   todo = [(m, c) for m in args.models.split(",") for c in cells][shard::num_shards]
   # Grouped by weights, so that each process builds each model's weights once per dtype.

@@ -64,6 +64,13 @@ SWEEP = [
     [dict(reqs=1, tokens=2048), dict(reqs=2, tokens=1024), dict(reqs=32, tokens=1), dict(reqs=1, tokens=1)],
     [dict(block_v=b, num_warps=w) for b in (8, 16, 32, 64) for w in (1, 2, 4, 8)],
   ),
+  # Chunked KDA prefill at the same prefill steps: the tile of V (each program recomputes the
+  # chunk's C x C matrices for its tile) and warps.
+  (
+    "kda_chunk",
+    [dict(reqs=1, tokens=2048), dict(reqs=2, tokens=1024)],
+    [dict(block_v=b, num_warps=w) for b in (16, 32, 64, 128) for w in (4, 8)],
+  ),
   # tokamax's Mosaic GPU ragged dot at the MoE's shapes: decode steps (a few rows per expert), then
   # prefill steps of 2048 and 8192 tokens.
   (
@@ -223,14 +230,11 @@ def bench_grouped_matmul(tokens, proj, impl, iters, repeats, **tune):
   return t, np.count_nonzero(sizes) * k * n * 2 + x.nbytes + tokens * K_MOE * n * 2
 
 
-def bench_kda(reqs, tokens, impl, iters, repeats, **tune):
-  """The fused KDA recurrence of the released dimensions (64 heads, K = V = 128): ``reqs``
-  requests of ``tokens`` tokens each in one step, each saving its last token's state (prefill and
-  decode without drafts). Bytes: each request's float32 state read and its new state written, the
-  token inputs read and outputs written."""
+def _kda_inputs(reqs, tokens):
+  """The KDA inputs at the released dimensions (64 heads, K = V = 128): ``reqs`` requests of
+  ``tokens`` tokens each, in permuted rows; q, k, v, g, beta, the states and each token's request."""
   import jax
   import jax.numpy as jnp
-  from pallas_kernels.kda_recurrence import fused_recurrent_kda
 
   t = reqs * tokens
   keys = jax.random.split(jax.random.key(10), 6)
@@ -241,10 +245,20 @@ def bench_kda(reqs, tokens, impl, iters, repeats, **tune):
   g = -0.1 * jax.nn.softplus(jax.random.normal(keys[3], (t, H_KDA, D_KDA), jnp.float32))  # log-decay
   beta = jax.nn.sigmoid(jax.random.normal(keys[4], (t, H_KDA), jnp.float32))
   state = jax.random.normal(keys[5], (reqs, H_KDA, D_KDA, D_KDA), jnp.float32)
-  states = jnp.zeros((reqs, 1, H_KDA, D_KDA, D_KDA), jnp.float32)
-  # Requests in permuted rows; each saves the state after its last token (slot 0).
   req = jnp.asarray(np.repeat(np.random.default_rng(5).permutation(reqs), tokens).astype(np.int32))
-  slot = jnp.asarray(np.tile(np.r_[np.full(tokens - 1, -1), 0], reqs).astype(np.int32))
+  return q, k, v, g, beta, state, req
+
+
+def bench_kda(reqs, tokens, impl, iters, repeats, **tune):
+  """The fused KDA recurrence: ``reqs`` requests of ``tokens`` tokens each in one step, each saving
+  its last token's state (prefill and decode without drafts). Bytes: each request's float32 state
+  read and its new state written, the token inputs read and outputs written."""
+  import jax.numpy as jnp
+  from pallas_kernels.kda_recurrence import fused_recurrent_kda
+
+  q, k, v, g, beta, state, req = _kda_inputs(reqs, tokens)
+  states = jnp.zeros((reqs, 1, H_KDA, D_KDA, D_KDA), jnp.float32)
+  slot = jnp.asarray(np.tile(np.r_[np.full(tokens - 1, -1), 0], reqs).astype(np.int32))  # the last token's: 0
 
   def step(carry, c):
     q_, states_ = carry
@@ -254,6 +268,29 @@ def bench_kda(reqs, tokens, impl, iters, repeats, **tune):
   sec = _timeit(step, (q, states), (k, v, g, beta, state, req, slot), iters, repeats)
   out_nbytes = v.nbytes  # o: [T, H, V] float32
   return sec, 2 * state.nbytes + q.nbytes + k.nbytes + v.nbytes + g.nbytes + beta.nbytes + out_nbytes
+
+
+def bench_kda_chunk(reqs, tokens, impl, iters, repeats, **tune):
+  """Chunked KDA prefill (``chunk_kda``) on the inputs of ``bench_kda``, every request from position
+  0; ``impl="recurrent"`` times the fused recurrence (its default tile) on the same tokens, the
+  baseline the chunked form must beat. Bytes as ``bench_kda``'s, plus the prefix rows written."""
+  import jax.numpy as jnp
+  from pallas_kernels.kda_chunk import ChunkPrefix, chunk_kda
+
+  if impl == "recurrent":
+    return bench_kda(reqs, tokens, "pallas", iters, repeats)
+  q, k, v, g, beta, state, req = _kda_inputs(reqs, tokens)
+  pos = jnp.asarray(np.tile(np.arange(tokens), reqs).astype(np.int32))
+  prefix = ChunkPrefix.zeros(reqs, H_KDA, D_KDA, D_KDA)
+
+  def step(carry, c):
+    q_, state_, prefix_ = carry
+    o, state_, prefix_ = chunk_kda(q_, *c[:4], state_, prefix_, *c[4:], implementation=impl, **tune)
+    return q_ + _dep(o), state_, prefix_
+
+  sec = _timeit(step, (q, state, prefix), (k, v, g, beta, req, pos), iters, repeats)
+  nbytes = 2 * state.nbytes + q.nbytes + k.nbytes + v.nbytes + g.nbytes + beta.nbytes + v.nbytes
+  return sec, nbytes + sum(x.nbytes for x in prefix)
 
 
 def bench_bare_copy(nbytes, iters, repeats):
@@ -458,6 +495,8 @@ def run(args):
     cases.append(("kpool_compress", dict(tokens=t)))
   for t in (256, 8192):
     cases.append(("step_metadata", dict(tokens=t)))
+  for reqs, t in ((1, 2048), (2, 1024), (16, 128)):
+    cases.append(("kda_chunk", dict(reqs=reqs, tokens=t)))
   if args.quick:
     cases = [
       c
@@ -472,6 +511,7 @@ def run(args):
     "step_metadata": bench_step_metadata,
     "grouped_matmul": bench_grouped_matmul,
     "kda_recurrence": bench_kda,
+    "kda_chunk": bench_kda_chunk,
   }
   only = args.only.split(",") if args.only else list(fns)
   cases = [c for c in cases if c[0] in only]
@@ -505,6 +545,8 @@ def run(args):
       impls.insert(1, ("pallas_previous", PREVIOUS[name]))
     if name == "kpool_compress":
       impls.append(("scatter", {}))
+    if name == "kda_chunk":
+      impls.append(("recurrent", {}))
     for impl, tune in impls:
       try:
         t, nbytes = fns[name](**kw, impl=impl.removesuffix("_previous"), iters=args.iters, repeats=args.repeats, **tune)
@@ -518,6 +560,8 @@ def run(args):
       row["speedup_vs_xla"] = row["xla_us"] / row["pallas_us"]
     if "pallas_us" in row and "pallas_previous_us" in row:
       row["speedup_vs_previous"] = row["pallas_previous_us"] / row["pallas_us"]
+    if "pallas_us" in row and "recurrent_us" in row:
+      row["speedup_vs_recurrent"] = row["recurrent_us"] / row["pallas_us"]
     if "pallas_us" in row and "scatter_us" in row:
       row["pallas_over_bare_scatter"] = row["pallas_us"] / row["scatter_us"]
     if name in ("cache_write", "kpool_compress") and "pallas_us" in row:
@@ -535,7 +579,7 @@ _SIZE_KEYS = ("batch", "reqs", "ctx", "tokens", "proj", "cache_dtype")
 def _fmt(r):
   size = " ".join(f"{k}={r[k]}" for k in _SIZE_KEYS if k in r)
   cells = []
-  for impl in ("pallas", "pallas_previous", "xla"):
+  for impl in ("pallas", "pallas_previous", "xla", "recurrent"):
     if f"{impl}_us" in r:
       cells.append(f"{impl} {r[f'{impl}_us']:8.1f} us {100 * r[f'{impl}_frac_bw']:5.1f}%")
     elif f"{impl}_error" in r:
@@ -548,8 +592,9 @@ def table(result):
   lines = [
     f"{result['device']}, jax {result['jax']}, measured bandwidth {bw / 1e12:.2f} TB/s",
     "| kernel | size | MB moved | Pallas us | Pallas frac BW | previous Pallas us | speed-up vs previous "
-    "| XLA us | XLA frac BW | Pallas speed-up vs XLA | Pallas time / bare XLA scatter | Pallas time / bare copy |",
-    "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    "| XLA us | XLA frac BW | Pallas speed-up vs XLA | Pallas time / bare XLA scatter | Pallas time / bare copy "
+    "| recurrent KDA us | speed-up vs recurrent |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in result["rows"]:
     size = ", ".join(f"{k} {r[k]}" for k in _SIZE_KEYS if k in r)
@@ -559,7 +604,8 @@ def table(result):
       f"{cell('pallas_frac_bw', '%.2f')} | {cell('pallas_previous_us', '%.1f')} | "
       f"{cell('speedup_vs_previous', '%.2fx')} | {cell('xla_us', '%.1f')} | {cell('xla_frac_bw', '%.2f')} | "
       f"{cell('speedup_vs_xla', '%.2fx')} | {cell('pallas_over_bare_scatter', '%.2f')} | "
-      f"{cell('pallas_over_bare_copy', '%.2f')} |"
+      f"{cell('pallas_over_bare_copy', '%.2f')} | {cell('recurrent_us', '%.1f')} | "
+      f"{cell('speedup_vs_recurrent', '%.2fx')} |"
     )
   return "\n".join(lines)
 
