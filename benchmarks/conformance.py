@@ -390,7 +390,11 @@ def main(argv=None) -> int:
     rows = {_key(r["model"], {k: _setting(r, k) for k in SPACE}): r for r in read_rows(args.markdown) if "model" in r}
     order = {_key(m, c): i for i, (m, c) in enumerate((m, c) for m in MODELS for c in all_cells())}
     print(
-      markdown(compare(sorted(rows.values(), key=lambda r: order.get(_key(r["model"], {k: _setting(r, k) for k in SPACE}), -1))))
+      markdown(
+        compare(
+          sorted(rows.values(), key=lambda r: order.get(_key(r["model"], {k: _setting(r, k) for k in SPACE}), -1))
+        )
+      )
     )
     return 0
   cells = all_cells()
@@ -408,7 +412,9 @@ def main(argv=None) -> int:
 
   out = pathlib.Path(args.out)
   done = {
-    _key(r["model"], {k: _setting(r, k) for k in SPACE}) for r in (read_rows([out]) if out.exists() else []) if "model" in r
+    _key(r["model"], {k: _setting(r, k) for k in SPACE})
+    for r in (read_rows([out]) if out.exists() else [])
+    if "model" in r
   }
   todo = [(m, c) for m in args.models.split(",") for c in cells][shard::num_shards]
   # Grouped by weights, so that each process builds each model's weights once per dtype.

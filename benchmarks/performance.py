@@ -255,6 +255,9 @@ def main() -> int:
   p.add_argument("--memory-gib", type=float, default=8.0, help="KV-cache budget")
   p.add_argument("--explain-cache-misses", action="store_true", help="log why each trace missed jit's cache")
   p.add_argument("--kv-cache-dtype", default="bfloat16", choices=("bfloat16", "fp8"), help="MLA latent cache")
+  p.add_argument(
+    "--linear-prefill", default="recurrent", choices=("recurrent", "chunked"), help="KDA prompt tokens (CacheConfig)"
+  )
   args = p.parse_args()
   batches = [int(b) for b in args.batches.split(",")]
   rows = []
@@ -306,6 +309,7 @@ def main() -> int:
       kv_cache_dtype=args.kv_cache_dtype,
       indexer_cache_dtype="fp8",
       state_dtype="bfloat16",
+      linear_prefill=args.linear_prefill,
       memory_bytes=int(args.memory_gib * 2**30),
       max_model_len=args.context + new_tokens + 64,
     )
@@ -336,6 +340,7 @@ def main() -> int:
         "budget": args.budget,
         "context": args.context,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "linear_prefill": args.linear_prefill,
         "implementation": runner.implementation,
         "step_metadata_implementation": meta,
         **result,
