@@ -250,3 +250,12 @@ def test_chunked_prefill_within_tolerance_of_recurrent():
 def test_chunked_prefill_pallas_within_tolerance_of_xla():
   got, _ = run(cfg(linear_prefill="chunked"), implementation="pallas", ps=long_prompts())
   assert_close_runs(got, chunked_baseline(), atol=1e-4)
+
+
+def test_chunked_prefill_compiles_only_at_warmup():
+  """Two variants of each bucket's step: with the chunked path (a token below its prompt's chunk
+  bound) and without (decode steps, which then read and write no chunk rows)."""
+  engine = LLMEngine(runner(), cfg(linear_prefill="chunked", buckets=(16, 64)))
+  warm = engine.warmup()
+  engine.generate(long_prompts(), SamplingParams(max_tokens=6))
+  assert engine.num_compilations == warm

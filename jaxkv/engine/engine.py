@@ -317,9 +317,11 @@ class LLMEngine:
     start-up): one step of padding tokens per bucket, which writes nothing. ``prompt_logprobs``:
     also the steps that serve requests asking for them (else compiled at their first use).
     Returns ``num_compilations``."""
+    chunked = self.config.cache.linear_prefill_chunk is not None
     for bucket in self.config.token_buckets:
       for plp in (False, True)[: 1 + prompt_logprobs]:
-        self.executor.read_back(self._launch([], bucket, prompt_logprobs=plp)[0])
+        for lc in (False, True)[: 1 + chunked]:
+          self.executor.read_back(self._launch([], bucket, prompt_logprobs=plp, linear_chunks=lc)[0])
     self._copy_blocks([], warmup=True)
     return self.num_compilations
 
@@ -382,7 +384,7 @@ class LLMEngine:
     self._requests.pop(request.request_id, None)
     return StepOutput(request.request_id, [], [], True, "error", request.num_cached_tokens)
 
-  def _launch(self, chunks, bucket: int, *, prompt_logprobs: bool = False):
+  def _launch(self, chunks, bucket: int, *, prompt_logprobs: bool = False, linear_chunks: bool = False):
     """Lays the chunks out in ``bucket`` tokens and dispatches the jitted step (one transfer in).
     Returns the packed outputs and prompt log-probs (None unless a chunk computes prompt tokens of
     a request that asks for them, or ``prompt_logprobs``) without waiting for them (None when no
@@ -392,7 +394,11 @@ class LLMEngine:
     prompt_logprobs = prompt_logprobs or any(
       c.request.sampling.prompt_logprobs is not None and c.start < len(c.request.prompt_token_ids) - 1 for c in chunks
     )
-    packing = self.executor.packing(bucket, prompt_logprobs)
+    grid = self.config.cache.linear_prefill_chunk
+    linear_chunks = linear_chunks or (
+      grid is not None and any(c.start < len(c.request.prompt_token_ids) // grid * grid for c in chunks)
+    )
+    packing = self.executor.packing(bucket, prompt_logprobs, linear_chunks)
     buf = packing.template.copy()
     v = packing.host_views(buf)
     laid_out, failed = [], []
@@ -442,7 +448,8 @@ class LLMEngine:
     known = max(min(end, num_known - 1) - c.start, 0)  # tokens whose successor is committed
     v["next_ids"][at : at + known] = req.token_ids(c.start + 1, c.start + 1 + known)
     v["state_slots"][req.row] = req.state_slot
-    v["num_prompt_tokens"][req.row] = len(req.prompt_token_ids)
+    if "num_prompt_tokens" in v:
+      v["num_prompt_tokens"][req.row] = len(req.prompt_token_ids)
     if c.samples:
       d, last = c.num_drafts, at + c.num_tokens
       v["sample_indices"][req.row, : d + 1] = np.arange(last - d - 1, last)

@@ -51,6 +51,9 @@ class PackedInputs:
   widths: tuple[int, ...]
   num_drafts: int
   prompt_logprobs: bool = False  # the step also returns every token's next-token log-probs
+  # Some token lies below its prompt's chunk bound (chunked linear-attention prefill): the step
+  # carries the prompt lengths and runs the chunked path. Decode steps compile without it.
+  linear_chunks: bool = False
 
   @functools.cached_property
   def fields(self) -> dict[str, tuple[int, tuple[int, ...], int]]:
@@ -61,7 +64,6 @@ class PackedInputs:
     spec += [(f"count{g}", (r,), 0) for g in range(len(self.widths))]
     spec += [
       ("state_slots", (r,), 0),
-      ("num_prompt_tokens", (r,), 0),
       ("sample_indices", (r, 1 + k), -1),
       ("draft_ids", (r, k), 0),
       ("num_drafts", (r,), 0),
@@ -71,6 +73,7 @@ class PackedInputs:
       ("seeds", (r,), 0),
       ("steps", (r,), 0),
     ]
+    spec += [("num_prompt_tokens", (r,), 0)] if self.linear_chunks else []
     out, at = {}, 0
     for name, shape, default in spec:
       out[name] = (at, shape, default)
@@ -180,7 +183,7 @@ def _device_step(statics: _StepStatics, packing: PackedInputs, param_leaves, cac
     tuple(v[f"count{g}"] for g in groups),
     None,
     v["state_slots"],
-    v["num_prompt_tokens"],
+    v.get("num_prompt_tokens"),
   )  # metadata: _step's first act
   params = jax.tree.unflatten(statics.params_treedef, param_leaves)
   out, plp, caches, kernel_tables = _step(
@@ -363,12 +366,12 @@ class StepExecutor:
     )
     self.num_compilations = 0
 
-  def packing(self, bucket: int, prompt_logprobs: bool = False) -> PackedInputs:
+  def packing(self, bucket: int, prompt_logprobs: bool = False, linear_chunks: bool = False) -> PackedInputs:
     """The input layout of a step of ``bucket`` tokens."""
-    key = (bucket, prompt_logprobs)
+    key = (bucket, prompt_logprobs, linear_chunks)
     if key not in self._packings:
       self._packings[key] = PackedInputs(
-        bucket, self.max_num_reqs, self.widths, self.num_speculative_tokens, prompt_logprobs
+        bucket, self.max_num_reqs, self.widths, self.num_speculative_tokens, prompt_logprobs, linear_chunks
       )
     return self._packings[key]
 

@@ -30,7 +30,8 @@ class StepInputs:
       continues from (the last, ``num_speculative_tokens``, unless drafts were rejected).
     num_prompt_tokens: int32 ``[max_num_reqs]``: each request's prompt length (chunked
       linear-attention prefill runs the positions below its last chunk boundary chunkwise); None
-      where no layer needs it.
+      when no token of the step lies below that bound (decode steps: the chunked path is left
+      out of the compiled step) or the plan has no chunked prefill.
   """
 
   input_ids: Int[Array, " T"]

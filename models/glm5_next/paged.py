@@ -155,18 +155,17 @@ def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, layout: Pag
   num_reqs, num_slots = table.shape
   arr = caches[view.tensor]
   sdt = jnp.dtype(layout.state_dtype)
-  shards, chunk = layout.shards(view.tensor), layout.linear_prefill_chunk
+  shards = layout.shards(view.tensor)
+  # The chunked path only in steps with tokens below a prompt's chunk bound (StepInputs).
+  chunk = layout.linear_prefill_chunk if inputs.num_prompt_tokens is not None else None
   if shards > 1 and (attn.head_sharding is None or attn.head_sharding.size != shards):
     raise ValueError(
       f"{view.layer_name} is split over {shards} devices by head, but the layer runs on "
       f"{1 if attn.head_sharding is None else attn.head_sharding.size}; plan the caches with the "
       "engine's tensor_parallel_size."
     )
-  if chunk is not None and inputs.num_prompt_tokens is None:
-    raise ValueError(
-      "chunked linear-attention prefill needs each request's prompt length: build StepInputs with "
-      "num_prompt_tokens (the engine's step does)."
-    )
+  # Without the chunked path a page's chunk rows are neither read nor written: every token of the
+  # step is past its prompt's bound, so they are never needed again.
   page = _StatePage(view, h // shards, k, kw - 1, sdt, chunk)
   # Split pages are read and written on each device (its heads' bytes); whole ones where they are.
   on_pages = lambda fn, args, in_axes, out_axes: (
