@@ -253,4 +253,3 @@ def test_chunked_prefill_within_tolerance_of_recurrent():
 def test_chunked_prefill_pallas_within_tolerance_of_xla():
   got, _ = run(cfg(linear_prefill="chunked"), implementation="pallas", ps=long_prompts())
   assert_close_runs(got, chunked_baseline(), atol=1e-4)
-
