@@ -43,6 +43,7 @@ from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels._common import default_interpret, resolve_implementation
+from pallas_kernels.kda_recurrence import check_delta_rule_inputs
 
 __all__ = ["chunk_kda", "chunk_kda_reference", "chunk_delta_rule", "ChunkPrefix", "CHUNK_SIZE"]
 
@@ -205,16 +206,10 @@ def _finish(o_rows, state, prefix, rows, ch: _Chunks, req_indices, c: int):
   return o, state, prefix
 
 
-def _validate(q, k, v, g, beta, state, prefix, req_indices, positions):
-  t, h, kd = q.shape
-  r, _, _, vd = state.shape
-  if k.shape != q.shape or g.shape != q.shape or v.shape != (t, h, vd) or beta.shape != (t, h):
-    raise ValueError(
-      f"q, k, g must be [T, H, K], v [T, H, V] and beta [T, H] of one T, H; got q {list(q.shape)}, "
-      f"k {list(k.shape)}, g {list(g.shape)}, v {list(v.shape)}, beta {list(beta.shape)}."
-    )
-  if state.shape != (r, h, kd, vd):
-    raise ValueError(f"state must be [R, H, K, V] = [R, {h}, {kd}, {vd}], got {list(state.shape)}.")
+def _validate(q, k, v, g, beta, state, prefix, req_indices, positions) -> int:
+  """The checks; returns the grid ``C``."""
+  check_delta_rule_inputs(q, k, v, g, beta, state, *prefix, req_indices=req_indices, positions=positions)
+  r, h, kd, vd = state.shape
   c = prefix.k.shape[1] if prefix.k.ndim == 4 else -1
   want = ChunkPrefix((r, c, h, kd), (r, c, h, kd), (r, c, h, vd), (r, c, h))
   got = ChunkPrefix(*(tuple(x.shape) for x in prefix))
@@ -223,11 +218,6 @@ def _validate(q, k, v, g, beta, state, prefix, req_indices, positions):
       f"prefix must be k, g [R, C, H, K], v [R, C, H, V], beta [R, C, H] with R = {r}, H = {h}, K = {kd}, "
       f"V = {vd} and C a power of two >= {_SUB} (the chunk grid); got {[list(s) for s in got]}."
     )
-  for name, a in (("req_indices", req_indices), ("positions", positions)):
-    if a.shape != (t,) or a.dtype != jnp.int32:
-      raise ValueError(f"{name} must be int32[{t}], got {a.dtype}{list(a.shape)}.")
-  if any(a.dtype != jnp.float32 for a in (q, k, v, g, beta, state, *prefix)):
-    raise ValueError("q, k, v, g, beta, the state and the prefix must be float32 (the recurrence runs in float32).")
   return c
 
 

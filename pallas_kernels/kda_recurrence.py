@@ -31,7 +31,7 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels._common import default_interpret, resolve_implementation
 
-__all__ = ["fused_recurrent_kda", "fused_recurrent_kda_reference", "delta_rule_step"]
+__all__ = ["fused_recurrent_kda", "fused_recurrent_kda_reference", "delta_rule_step", "check_delta_rule_inputs"]
 
 
 def _kda_kernel(
@@ -83,23 +83,31 @@ def _kda_kernel(
     jax.lax.fori_loop(start, end, body, (state_ref[r, h, :, cols], load(start)))
 
 
-def _validate(q, k, v, g, beta, state, states, req_indices, slot):
+def check_delta_rule_inputs(q, k, v, g, beta, state, *float32_arrays, **index_arrays) -> None:
+  """The checks both KDA kernels share: ``q, k, g [T, H, K]``, ``v [T, H, V]``, ``beta [T, H]``,
+  ``state [R, H, K, V]``, each of ``index_arrays`` int32 ``[T]``, all of them and
+  ``float32_arrays`` (the kernel's other state) float32."""
   t, h, kd = q.shape
-  r, _, _, vd = state.shape
+  vd = state.shape[-1]
   if k.shape != q.shape or g.shape != q.shape or v.shape != (t, h, vd) or beta.shape != (t, h):
     raise ValueError(
       f"q, k, g must be [T, H, K], v [T, H, V] and beta [T, H] of one T, H; got q {list(q.shape)}, "
       f"k {list(k.shape)}, g {list(g.shape)}, v {list(v.shape)}, beta {list(beta.shape)}."
     )
-  if state.shape != (r, h, kd, vd):
+  if state.ndim != 4 or state.shape[1:] != (h, kd, vd):
     raise ValueError(f"state must be [R, H, K, V] = [R, {h}, {kd}, {vd}], got {list(state.shape)}.")
-  if states.ndim != 5 or states.shape[0] != r or states.shape[2:] != (h, kd, vd):
-    raise ValueError(f"states must be [{r}, S, {h}, {kd}, {vd}], got {list(states.shape)}.")
-  for name, a in (("req_indices", req_indices), ("slot", slot)):
+  for name, a in index_arrays.items():
     if a.shape != (t,) or a.dtype != jnp.int32:
       raise ValueError(f"{name} must be int32[{t}], got {a.dtype}{list(a.shape)}.")
-  if any(a.dtype != jnp.float32 for a in (q, k, v, g, beta, state, states)):
+  if any(a.dtype != jnp.float32 for a in (q, k, v, g, beta, state, *float32_arrays)):
     raise ValueError("q, k, v, g, beta and the states must be float32 (the recurrence runs in float32).")
+
+
+def _validate(q, k, v, g, beta, state, states, req_indices, slot):
+  check_delta_rule_inputs(q, k, v, g, beta, state, states, req_indices=req_indices, slot=slot)
+  r, h, kd, vd = state.shape
+  if states.ndim != 5 or states.shape[0] != r or states.shape[2:] != (h, kd, vd):
+    raise ValueError(f"states must be [{r}, S, {h}, {kd}, {vd}], got {list(states.shape)}.")
 
 
 @functools.partial(
