@@ -53,14 +53,28 @@ CHUNK_SIZE = 64
 # gate); across sub-blocks they factor through the later block's first row (both factors <= 1).
 _SUB = 16
 _HP = jax.lax.Precision.HIGHEST
-
-
-def _dot(a, b):
-  return jnp.dot(a, b, precision=_HP, preferred_element_type=jnp.float32)
+# The kernel's matrix products: IEEE float32 (CUDA cores), or three TF32 tensor-core products
+# (float32-level accuracy; fla's form runs on tensor cores). Interpret mode takes float32: XLA's
+# CPU dot has no TF32.
+PRECISIONS = {"float32": _HP, "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3}
 
 
 def _chunk_kda_kernel(
-  first_ref, num_ref, rem_ref, q_ref, k_ref, g_ref, v_ref, beta_ref, state_ref, o_ref, state_out_ref, *, chunk, block_v
+  first_ref,
+  num_ref,
+  rem_ref,
+  q_ref,
+  k_ref,
+  g_ref,
+  v_ref,
+  beta_ref,
+  state_ref,
+  o_ref,
+  state_out_ref,
+  *,
+  chunk,
+  block_v,
+  precision,
 ):
   # first_ref / num_ref / rem_ref: [R] first chunk row-block, chunk count, rows of the last chunk
   # (0: complete). q/k/g: [SUB + N*C, H, K] (SUB leading zero rows), v: [.., H, V], beta: [.., H];
@@ -71,6 +85,7 @@ def _chunk_kda_kernel(
   row = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
   col = jax.lax.broadcasted_iota(jnp.int32, (1, c), 1)
   eye = (row == col).astype(jnp.float32)
+  _dot = lambda a, b: jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
   num, rem = num_ref[r], rem_ref[r]
 
   def chunk(i, s):
@@ -223,7 +238,7 @@ def _validate(q, k, v, g, beta, state, prefix, req_indices, positions) -> int:
 
 @functools.partial(
   jax.jit,
-  static_argnames=("block_v", "num_warps", "implementation", "interpret"),
+  static_argnames=("block_v", "num_warps", "precision", "implementation", "interpret"),
   donate_argnames=("state", "prefix"),
 )
 def chunk_kda(
@@ -239,6 +254,7 @@ def chunk_kda(
   *,
   block_v: int = 32,
   num_warps: int = 4,
+  precision: str = "float32",
   implementation: str = "auto",
   interpret: bool | None = None,
 ) -> tuple[Float[Array, "T H V"], Float[Array, "R H K V"], ChunkPrefix]:
@@ -255,6 +271,8 @@ def chunk_kda(
       tokens the caller runs recurrently); a request's tokens are contiguous and in order.
     positions: int32 ``[T]`` each token's position in its request.
     block_v, num_warps: the kernel's tile of V and Triton's warps.
+    precision: the kernel's matrix products, ``"float32"`` or ``"tf32x3"`` (``PRECISIONS``;
+      interpreted: float32).
     implementation: ``"pallas"``, ``"xla"`` or ``"auto"`` (``resolve_implementation``).
   Returns:
     ``o`` float32 ``[T, H, V]`` (zero for skipped tokens); each request's ``state`` at the start of
@@ -266,6 +284,9 @@ def chunk_kda(
     return chunk_kda_reference(q, k, v, g, beta, state, prefix, req_indices, positions)
   r, h, kd, vd = state.shape
   bv = min(block_v, vd)
+  if precision not in PRECISIONS:
+    raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}.")
+  interpret = default_interpret(interpret)
   if vd % bv or bv & (bv - 1) or bv < _SUB:
     raise ValueError(f"block_v must be a power of two >= {_SUB} dividing V = {vd}, got {bv}.")
   ch = _chunks(req_indices, positions, r, c)
@@ -273,12 +294,14 @@ def chunk_kda(
   n = ch.owner.shape[0]
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   o_rows, new_state = pl.pallas_call(
-    functools.partial(_chunk_kda_kernel, chunk=c, block_v=bv),
+    functools.partial(
+      _chunk_kda_kernel, chunk=c, block_v=bv, precision=PRECISIONS["float32" if interpret else precision]
+    ),
     out_shape=(jax.ShapeDtypeStruct((n * c, h, vd), jnp.float32), jax.ShapeDtypeStruct(state.shape, jnp.float32)),
     grid=(r, h, vd // bv),
     in_specs=[any_spec] * 9,
     out_specs=(any_spec, any_spec),
-    interpret=default_interpret(interpret),
+    interpret=interpret,
     compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
     name="chunk_kda",
   )(ch.first, ch.num, ch.rem, _gather(q, None, ch.src), *rows, state)

@@ -35,7 +35,7 @@ def oracle(tok, s0):
   return np.array(outs), states
 
 
-def call(steps, state, prefix, impl, num_tokens):
+def call(steps, state, prefix, impl, num_tokens, precision="float32"):
   """One ``chunk_kda`` call: ``steps`` maps request -> (tokens dict, first position); rows in the
   dict's key order, then padding to ``num_tokens``."""
   cols = {name: [] for name in ("q", "k", "v", "g", "beta")}
@@ -54,7 +54,14 @@ def call(steps, state, prefix, impl, num_tokens):
   req = jnp.asarray(np.array(req + [-1] * pad, np.int32))
   pos = jnp.asarray(np.array(pos + [3] * pad, np.int32))
   o, state, prefix = chunk_kda(
-    **args, state=state, prefix=prefix, req_indices=req, positions=pos, block_v=16, implementation=impl
+    **args,
+    state=state,
+    prefix=prefix,
+    req_indices=req,
+    positions=pos,
+    block_v=16,
+    implementation=impl,
+    precision=precision,
   )
   return np.asarray(o), state, prefix
 
@@ -142,15 +149,18 @@ def test_bitwise_across_step_splits(impl, cuts):
     np.testing.assert_array_equal(np.asarray(a)[1], np.asarray(b)[1])
 
 
-def test_pallas_close_to_xla_on_long_steps():
-  """Several chunks per request in one call (the state carried across chunks in the kernel)."""
+@pytest.mark.parametrize("precision", ["float32", "tf32x3"])
+def test_pallas_close_to_xla_on_long_steps(precision):
+  """Several chunks per request in one call (the state carried across chunks in the kernel), with
+  either precision of the kernel's products (interpreted, both run float32; compiled on a GPU,
+  tf32x3 runs three TF32 products and must stay as close)."""
   rng = np.random.default_rng(3)
   tok_a, tok_b = history(rng, 70, "safe"), history(rng, 33, "steep")
   s0 = rng.standard_normal((2, H, K, V)).astype(np.float32) * 0.3
   outs = {}
   for impl in IMPLS:
     o, state, prefix = call(
-      {0: (tok_a, 0), 1: (tok_b, 0)}, jnp.asarray(s0), ChunkPrefix.zeros(2, H, K, V, C), impl, 112
+      {0: (tok_a, 0), 1: (tok_b, 0)}, jnp.asarray(s0), ChunkPrefix.zeros(2, H, K, V, C), impl, 112, precision
     )
     outs[impl] = (o, np.asarray(state), [np.asarray(x) for x in prefix])
   np.testing.assert_allclose(outs["pallas"][0], outs["xla"][0], rtol=1e-5, atol=1e-6)
@@ -171,6 +181,8 @@ def test_rejects_bad_arguments():
     chunk_kda(
       **args, prefix=ChunkPrefix.zeros(2, H, K, V, C), req_indices=ids["req_indices"], positions=jnp.zeros(5, jnp.int32)
     )
+  with pytest.raises(ValueError, match=r"precision must be one of \('float32', 'tf32x3'\), got 'tf32'"):
+    chunk_kda(**args, prefix=ChunkPrefix.zeros(2, H, K, V, C), **ids, precision="tf32", implementation="pallas")
   with pytest.raises(ValueError, match=r"block_v must be a power of two >= 16 dividing V = 32, got 8"):
     chunk_kda(**args, prefix=ChunkPrefix.zeros(2, H, K, V, C), **ids, block_v=8, implementation="pallas")
 
