@@ -172,7 +172,7 @@ def main() -> int:
     cache_rows = {n: [a.shape[1], a.addressable_shards[0].data.shape[1]] for n, a in engine.executor.caches.items()}
     if c["mtp"] or c["chunked"]:
       rng = np.random.default_rng(0)
-      lengths = (130, 20, 70) if c["chunked"] else (13, 27, 5, 19)
+      lengths = (130, 9) if c["chunked"] else (13, 27, 5, 19)
       reqs = engine.generate(
         [[int(t) for t in rng.integers(1, 256, n)] for n in lengths], SamplingParams(max_tokens=8, logprobs=5)
       )

@@ -113,10 +113,10 @@ def test_speculation_is_bitwise_identical_across_layouts_and_schedules():
 
 
 def test_speculation_with_chunked_prefill():
-  """Chunked KDA prefill, prompts cut off the grid (chunks of 7), drafts accepted 0..3 at a time:
+  """Chunked KDA prefill, prompts cut off the grid (chunks of 13), drafts accepted 0..3 at a time:
   the tokens of the run without drafts (verify steps run recurrently, past the prompts' bound)."""
   truth = {tuple(p): t for p, (t, _) in zip(long_prompts(), chunked_baseline())}
-  config = cfg(num_speculative_tokens=3, max_num_batched_tokens=7, linear_prefill="chunked")
+  config = cfg(num_speculative_tokens=3, max_num_batched_tokens=13, linear_prefill="chunked")
   engine = LLMEngine(runner(), config, draft_proposer=ForcedDrafts(truth, lambda step, i: (step + i) % 3 == 2))
   reqs = engine.generate(long_prompts(), SamplingParams(max_tokens=5, logprobs=5))
   assert 0 < engine.num_accepted_tokens < engine.num_draft_tokens
