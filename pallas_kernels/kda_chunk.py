@@ -78,7 +78,8 @@ def _chunk_kda_kernel(
 ):
   # first_ref / num_ref / rem_ref: [R] first chunk row-block, chunk count, rows of the last chunk
   # (0: complete). q/k/g: [SUB + N*C, H, K] (SUB leading zero rows), v: [.., H, V], beta: [.., H];
-  # state_ref / state_out_ref: [R, H, K, V]; o_ref: [N*C, H, V].
+  # state_ref / state_out_ref: [R, H, K, V] (one buffer: a request without chunks is not
+  # touched); o_ref: [N*C, H, V].
   r, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   cols = pl.ds(vb * block_v, block_v)
   c = chunk
@@ -137,7 +138,9 @@ def _chunk_kda_kernel(
     # A chunk the step does not finish leaves the state at its start (the prefix carries its rows).
     return jnp.where((i < num - 1) | (rem == 0), s1, s)
 
-  state_out_ref[r, h, :, cols] = jax.lax.fori_loop(0, num, chunk, state_ref[r, h, :, cols])
+  @pl.when(num > 0)
+  def _():
+    state_out_ref[r, h, :, cols] = jax.lax.fori_loop(0, num, chunk, state_ref[r, h, :, cols])
 
 
 class ChunkPrefix(NamedTuple):
@@ -301,6 +304,7 @@ def chunk_kda(
     grid=(r, h, vd // bv),
     in_specs=[any_spec] * 9,
     out_specs=(any_spec, any_spec),
+    input_output_aliases={8: 1},  # the state, updated in place (donated)
     interpret=interpret,
     compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
     name="chunk_kda",

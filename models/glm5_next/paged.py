@@ -210,7 +210,6 @@ def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, layout: Pag
   conv_slots = (
     jnp.zeros((num_reqs, num_slots) + conv.shape[1:], conv.dtype).at[seen, slot].set(windows[:, 1:], mode="drop")
   )
-  prefix_slots = []
   if chunk is not None:
     # Heads on axis 1 of the token arrays and the state, 2 of the prefix's.
     chunk_fn = functools.partial(_chunk_kda_flat, implementation=layout.implementation("chunk_kda", implementation))
@@ -231,12 +230,14 @@ def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, layout: Pag
     ends_chunked = fresh & (last_pos < limit)
     last = rec_slots[:, -1]
     rec_slots = rec_slots.at[:, -1].set(jnp.where(ends_chunked[:, None, None, None], rec, last))
-    prefix_slots = [jnp.zeros((num_reqs, num_slots) + p.shape[1:], p.dtype).at[:, -1].set(p) for p in prefix]
   y = attn.output(o, x)
-  # Write back the slots this step produced.
+  # Write back the slots this step produced; chunk rows only where a step ends inside a chunk
+  # (every other page's rows are never read again).
   dest = jnp.where(written, table, arr.shape[0]).reshape(-1)
-  args = (arr, dest, conv_slots.astype(sdt), rec_slots, *prefix_slots)
-  arr = on_pages(page.write, args, (1, None, 4, 2) + (3,) * len(prefix_slots), (1,))
+  arr = on_pages(page.write, (arr, dest, conv_slots.astype(sdt), rec_slots), (1, None, 4, 2), (1,))
+  if chunk is not None:
+    dest = jnp.where(ends_chunked, table[:, -1], arr.shape[0])
+    arr = on_pages(page.write_prefix, (arr, dest, *prefix), (1, None) + (2,) * len(prefix), (1,))
   return y, {**caches, view.tensor: arr}
 
 
@@ -287,14 +288,21 @@ class _StatePage:
       at += n
     return tuple(out)
 
-  def write(self, arr, dest, conv_slots, rec_slots, *prefix_slots):
-    """``arr`` with slots ``[R, S, kw-1, 3, C]`` / ``[R, S, H, K, K]`` (and the prefix's ``[R, S,
-    chunk, H, ...]``) written to blocks ``dest [R * S]`` (out of range: not written)."""
+  def write(self, arr, dest, conv_slots, rec_slots):
+    """``arr`` with slots ``[R, S, kw-1, 3, C]`` / ``[R, S, H, K, K]`` written to blocks ``dest [R * S]``
+    (out of range: not written)."""
     num_reqs, num_slots = rec_slots.shape[:2]
-    parts = [conv_slots[..., i, :] for i in range(3)] + [rec_slots, *prefix_slots]  # as read
+    parts = [conv_slots[..., i, :] for i in range(3)] + [rec_slots]  # q, k, v windows, then the state
     new = jnp.concatenate([_to_words(p).reshape(num_reqs, num_slots, -1) for p in parts], axis=2)
     words = _write_rows(_as_words(arr), dest, self.view.offset_bytes // 4, new.reshape(num_reqs * num_slots, -1))
     return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(arr.shape)
+
+  def write_prefix(self, arr, dest, *prefix):
+    """``arr`` with the prefix's four arrays ``[R, chunk, H, ...]`` written after the state of
+    blocks ``dest [R]`` (out of range: not written)."""
+    new = jnp.concatenate([_to_words(p).reshape(p.shape[0], -1) for p in prefix], axis=1)
+    offset = self.view.offset_bytes // 4 + self._conv_words + self.heads * self.head_dim**2
+    return jax.lax.bitcast_convert_type(_write_rows(_as_words(arr), dest, offset, new), jnp.uint8).reshape(arr.shape)
 
 
 def _as_words(arr):
