@@ -43,7 +43,7 @@ from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels._common import default_interpret, resolve_implementation
-from pallas_kernels.kda_recurrence import check_delta_rule_inputs
+from pallas_kernels.kda_recurrence import check_delta_rule_inputs, request_spans
 
 __all__ = ["chunk_kda", "chunk_kda_reference", "chunk_delta_rule", "ChunkPrefix", "CHUNK_SIZE"]
 
@@ -176,10 +176,8 @@ class _Chunks:
 
 def _chunks(req_indices, positions, num_reqs: int, c: int) -> _Chunks:
   t, r = req_indices.shape[0], num_reqs
-  seen = jnp.where(req_indices >= 0, req_indices, r)
   tok = jnp.arange(t, dtype=jnp.int32)
-  first_tok = jnp.full((r,), t, jnp.int32).at[seen].min(tok, mode="drop")
-  count = jnp.zeros((r,), jnp.int32).at[seen].add(1, mode="drop")
+  first_tok, count = request_spans(req_indices, r)
   offset = jnp.where(count > 0, positions[jnp.minimum(first_tok, t - 1)] % c, 0)
   num = (offset + count + c - 1) // c
   first = jnp.cumsum(num) - num

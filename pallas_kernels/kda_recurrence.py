@@ -31,7 +31,13 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels._common import default_interpret, resolve_implementation
 
-__all__ = ["fused_recurrent_kda", "fused_recurrent_kda_reference", "delta_rule_step", "check_delta_rule_inputs"]
+__all__ = [
+  "fused_recurrent_kda",
+  "fused_recurrent_kda_reference",
+  "delta_rule_step",
+  "check_delta_rule_inputs",
+  "request_spans",
+]
 
 
 def _kda_kernel(
@@ -81,6 +87,15 @@ def _kda_kernel(
   @pl.when(end > start)
   def _():
     jax.lax.fori_loop(start, end, body, (state_ref[r, h, :, cols], load(start)))
+
+
+def request_spans(req_indices, num_reqs: int):
+  """Each request's first flat token (``T`` if none) and token count, ``int32 [R]`` each, from
+  ``req_indices`` (-1: skipped); a request's tokens are contiguous."""
+  t = req_indices.shape[0]
+  seen = jnp.where(req_indices >= 0, req_indices, num_reqs)
+  start = jnp.full((num_reqs,), t, jnp.int32).at[seen].min(jnp.arange(t, dtype=jnp.int32), mode="drop")
+  return start, jnp.zeros((num_reqs,), jnp.int32).at[seen].add(1, mode="drop")
 
 
 def check_delta_rule_inputs(q, k, v, g, beta, state, *float32_arrays, **index_arrays) -> None:
@@ -154,9 +169,7 @@ def fused_recurrent_kda(
   bv = min(block_v, vd)
   if vd % bv or bv & (bv - 1):
     raise ValueError(f"block_v must be a power of two dividing V = {vd}, got {bv}.")
-  seen = jnp.where(req_indices >= 0, req_indices, r)
-  start = jnp.full((r,), t, jnp.int32).at[seen].min(jnp.arange(t, dtype=jnp.int32), mode="drop")
-  count = jnp.zeros((r,), jnp.int32).at[seen].add(1, mode="drop")
+  start, count = request_spans(req_indices, r)
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   o, states = pl.pallas_call(
     functools.partial(_kda_kernel, block_v=bv, num_slots=num_slots),
