@@ -12,6 +12,8 @@ import jax.numpy as jnp
 # interpreted kernel, it would change that context after the engine's warm-up and retrace the step.
 from jax.experimental.pallas import fuser  # noqa: F401
 
+from pallas_kernels.gpu_target import GPU_TARGETS, target_backend, target_gpu
+
 IMPLEMENTATIONS = ("pallas", "xla")
 FP8_MAX = 448.0
 FP8_DTYPE = jnp.float8_e4m3fn
@@ -36,7 +38,7 @@ def resolve_implementation(implementation: str, *, kernel: str = "pallas", runs_
   the XLA path. ``kernel`` or ``"xla"`` are taken as asked (``"pallas"`` on the CPU: interpreted).
   """
   if implementation == "auto":
-    here = jax.default_backend() != "cpu" if runs_here is None else runs_here
+    here = target_backend() != "cpu" if runs_here is None else runs_here
     return kernel if here else "xla"
   if implementation not in (kernel, "xla"):
     raise ValueError(f"implementation must be one of {(kernel, 'xla', 'auto')}, got {implementation!r}.")
@@ -44,8 +46,9 @@ def resolve_implementation(implementation: str, *, kernel: str = "pallas", runs_
 
 
 def default_interpret(interpret: bool | None) -> bool:
-  """Pallas GPU kernels run in interpret mode on the CPU (CI), compiled on a GPU."""
-  return jax.default_backend() == "cpu" if interpret is None else interpret
+  """Pallas GPU kernels run in interpret mode on the CPU (CI), compiled on a GPU or for a
+  ``gpu_target``."""
+  return target_backend() == "cpu" if interpret is None else interpret
 
 
 # Shared memory every CUDA device gives one block without opting in: the budget when the driver
@@ -77,7 +80,10 @@ def _cuda_attribute(ordinal: int, attribute: int) -> int | None:
 def device_shared_memory_bytes(device: jax.Device | None = None) -> int | None:
   """Shared memory one program of a compiled Pallas (Triton) kernel may use on ``device`` (default:
   the first local device), asked of the CUDA driver; None off a GPU (interpret mode has no limit).
-  48 KiB, which every CUDA device gives, when the driver cannot be asked."""
+  48 KiB, which every CUDA device gives, when the driver cannot be asked. Inside ``gpu_target``
+  (no device given): the target's (``GPU_TARGETS``)."""
+  if device is None and (target := target_gpu()) is not None:
+    return GPU_TARGETS[target.device_kind].shared_memory_bytes
   device = device or jax.local_devices()[0]
   if device.platform != "gpu":
     return None
@@ -86,7 +92,10 @@ def device_shared_memory_bytes(device: jax.Device | None = None) -> int | None:
 
 def device_multiprocessors(device: jax.Device | None = None) -> int | None:
   """Streaming multiprocessors of ``device`` (default: the first local device), asked of the CUDA
-  driver; None off a GPU or when the driver cannot be asked."""
+  driver; None off a GPU or when the driver cannot be asked. Inside ``gpu_target`` (no device
+  given): the target's."""
+  if device is None and (target := target_gpu()) is not None:
+    return target.num_cores
   device = device or jax.local_devices()[0]
   if device.platform != "gpu":
     return None

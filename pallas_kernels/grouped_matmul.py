@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels._common import resolve_implementation
+from pallas_kernels.gpu_target import target_backend
 
 __all__ = [
   "grouped_matmul",
@@ -62,7 +63,7 @@ def grouped_matmul_implementation(implementation: str, dtype=jnp.bfloat16) -> st
       "implementation='tokamax' needs the tokamax package (pip install tokamax, or the '.[cuda13]' extra); use 'xla'."
     )
   half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-  kernel_fits = half and jax.default_backend() in ("gpu", "cuda")
+  kernel_fits = half and target_backend() in ("gpu", "cuda")
   if implementation == "auto" and kernel_fits and not _tokamax_available():
     _warn_no_tokamax()
   return resolve_implementation(implementation, kernel="tokamax", runs_here=kernel_fits and _tokamax_available())
@@ -108,7 +109,7 @@ def grouped_matmul(
   if tiling is not None and impl != "tokamax":
     raise ValueError(
       f"tiling {tiling} is for tokamax's kernel, but this call runs {impl!r} (implementation="
-      f"{implementation!r}, {lhs.dtype} rows, {jax.default_backend()}): drop tiling, or run bf16 rows "
+      f"{implementation!r}, {lhs.dtype} rows, {target_backend()}): drop tiling, or run bf16 rows "
       "on a GPU with tokamax."
     )
   rhs = rhs.astype(lhs.dtype)

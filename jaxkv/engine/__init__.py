@@ -7,12 +7,13 @@ from jaxkv.engine.parallel import make_mesh, replicated
 from jaxkv.engine.request import MAX_LOGPROBS, PromptLogprob, Request, RequestStatus, SamplingParams, StepOutput
 from jaxkv.engine.sampler import sample
 from jaxkv.engine.scheduler import ScheduledChunk, Scheduler
-from jaxkv.engine.step_executor import StepExecutor
+from jaxkv.engine.step_executor import StepExecutor, lower_step
 
 __all__ = [
   "EngineConfig",
   "LLMEngine",
   "StepExecutor",
+  "lower_step",
   "DraftProposer",
   "ModelDraftProposer",
   "MODEL_REGISTRY",

@@ -29,8 +29,9 @@ from jaxkv.engine.sampler import logprob_stats, sample
 from jaxkv.step.block_copy import BlockRegions, copy_blocks, pad_block_ids
 from jaxkv.step.step_inputs import StepInputs
 from jaxkv.step.step_metadata import StepMetadataSpec
+from pallas_kernels.gpu_target import target_backend
 
-__all__ = ["StepExecutor", "PackedInputs", "TOKEN_FIELDS"]
+__all__ = ["StepExecutor", "PackedInputs", "TOKEN_FIELDS", "lower_step"]
 
 
 # Per-token fields of the packed step input, with their padding values.
@@ -290,6 +291,88 @@ def _next_token_logprobs(runner, params, hidden, next_ids):
   return jax.lax.map(lambda x: one(*x), (hidden, next_ids), batch_size=min(_LOGPROB_ROWS, hidden.shape[0]))
 
 
+def _step_statics(
+  runner: ModelRunner,
+  plan: KVCacheConfig,
+  num_speculative_tokens: int,
+  step_metadata_implementation: str,
+  params_treedef,
+  replicated_sharding=None,
+  shardings=None,
+) -> _StepStatics:
+  meta_spec = StepMetadataSpec.from_plan(
+    plan, implementation=runner.kernel_implementation("compute_step_metadata", step_metadata_implementation)
+  )
+  return _StepStatics.intern(
+    runner,
+    runner.paged_layout(plan),
+    meta_spec,
+    num_speculative_tokens,
+    params_treedef,
+    replicated_sharding,
+    shardings,
+  )
+
+
+def _out_shapes(max_num_reqs: int, num_speculative_tokens: int, vocab_size: int) -> list:
+  """The step's packed outputs (``_step``'s first tuple), tokens first: the next step reads a token
+  in flight at its place there (``prev_token_index``)."""
+  r, k = max_num_reqs, num_speculative_tokens
+  s, top = 1 + k, min(MAX_LOGPROBS, vocab_size)
+  return [
+    ((r, s), np.int32),
+    ((r,), np.int32),
+    ((r, s, top), np.float32),
+    ((r, s, top), np.int32),
+    ((r, k), np.int32),
+    ((r, s), np.float32),
+    ((r, s), np.int32),
+  ]
+
+
+def _out_size(out_shapes) -> int:
+  return sum(math.prod(shape) for shape, _ in out_shapes)
+
+
+def lower_step(
+  runner: ModelRunner,
+  plan: KVCacheConfig,
+  *,
+  max_num_reqs: int,
+  num_tokens: int,
+  num_speculative_tokens: int = 0,
+  prompt_logprobs: bool = False,
+  linear_chunks: bool = False,
+  step_metadata_implementation: str = "auto",
+) -> jax.stages.Lowered:
+  """The engine's jitted step for a bucket of ``num_tokens``, traced from shapes alone and lowered
+  (not compiled): the program a ``StepExecutor`` of these settings runs, nothing allocated.
+
+  ``runner.params`` may be abstract (``jax.ShapeDtypeStruct`` leaves: ``FAMILY.from_shapes``).
+  Inside ``pallas_kernels.gpu_target(kind)`` the result is what that GPU compiles, its Pallas
+  kernels lowered to Triton (``jaxkv.kernel_build`` reads and compiles them); ``jaxkv lower``.
+  """
+  leaves, treedef = jax.tree.flatten(runner.params)
+  statics = _step_statics(runner, plan, num_speculative_tokens, step_metadata_implementation, treedef)
+  packing = PackedInputs(
+    num_tokens, max_num_reqs, tuple(plan.block_table_widths()), num_speculative_tokens, prompt_logprobs, linear_chunks
+  )
+  spec = lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype)
+  caches = {t.name: t.shape_dtype() for t in plan.tensors}
+  kernel_tables = tuple(spec(a) for a in plan.init_kernel_block_tables(max_num_reqs))
+  out_size = _out_size(_out_shapes(max_num_reqs, num_speculative_tokens, runner.vocab_size))
+  args = (
+    tuple(map(spec, leaves)),
+    caches,
+    kernel_tables,
+    spec(packing.template),
+    jax.ShapeDtypeStruct((out_size,), jnp.int32),
+  )
+  return _device_step.trace(statics, packing, *args).lower(
+    lowering_platforms=("cuda",) if target_backend() == "gpu" else None
+  )
+
+
 class StepExecutor:
   """The device state of one engine and its jitted step.
 
@@ -336,34 +419,18 @@ class StepExecutor:
     self._max_block_copies = max_num_reqs * len(state_groups)
     leaves, treedef = jax.tree.flatten(runner.params)
     self.param_leaves = tuple(leaves)
-    meta_spec = StepMetadataSpec.from_plan(
-      plan, implementation=runner.kernel_implementation("compute_step_metadata", step_metadata_implementation)
-    )
-    self.statics = _StepStatics.intern(
+    self.statics = _step_statics(
       runner,
-      runner.paged_layout(plan),
-      meta_spec,
+      plan,
       num_speculative_tokens,
+      step_metadata_implementation,
       treedef,
       self._replicated,
       self._cache_shardings,
     )
     self._packings: dict[tuple[int, bool], PackedInputs] = {}
-    k, r = num_speculative_tokens, max_num_reqs
-    s, top = 1 + k, min(MAX_LOGPROBS, runner.vocab_size)
-    # The tokens first: the next step reads a token in flight at its place here (prev_token_index).
-    self.out_shapes = [
-      ((r, s), np.int32),
-      ((r,), np.int32),
-      ((r, s, top), np.float32),
-      ((r, s, top), np.int32),
-      ((r, k), np.int32),
-      ((r, s), np.float32),
-      ((r, s), np.int32),
-    ]
-    self._prev_out = jax.device_put(
-      jnp.zeros(sum(math.prod(shape) for shape, _ in self.out_shapes), jnp.int32), self._placement
-    )
+    self.out_shapes = _out_shapes(max_num_reqs, num_speculative_tokens, runner.vocab_size)
+    self._prev_out = jax.device_put(jnp.zeros(_out_size(self.out_shapes), jnp.int32), self._placement)
     self.num_compilations = 0
 
   def packing(self, bucket: int, prompt_logprobs: bool = False, linear_chunks: bool = False) -> PackedInputs:

@@ -23,6 +23,7 @@ from jaxtyping import Array, Float, Int
 
 from models.glm5_next.config import Glm5NextConfig
 from models.glm5_next.sharding import ModelSharding
+from pallas_kernels import target_backend
 from pallas_kernels.grouped_matmul import grouped_matmul
 from pallas_kernels.kda_chunk import chunk_delta_rule
 from pallas_kernels.kda_recurrence import delta_rule_step
@@ -116,7 +117,7 @@ class HyperConnection(nnx.Module):
     comb = mixed[..., 2 * n :].reshape(*mixed.shape[:-1], n, n) * scale[2] + base[2 * n :].reshape(n, n)
     comb = jax.nn.softmax(comb, axis=-1) + self.eps
     comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + self.eps)
-    if jax.default_backend() == "cpu":
+    if target_backend() == "cpu":
       # XLA:CPU compiles each unrolled iteration into fusions of its own: a loop makes a step
       # compile about a quarter faster (the suite and notebooks run here). Same operations.
       comb = jax.lax.fori_loop(0, self.iters - 1, lambda _, c: _sinkhorn_step(c, self.eps), comb)

@@ -34,6 +34,7 @@ from pallas_kernels import (
   compute_step_metadata,
   device_shared_memory_bytes,
   resolve_implementation,
+  target_backend,
 )
 from pallas_kernels.grouped_matmul import prepare_grouped_matmul
 
@@ -61,7 +62,7 @@ class Glm5NextRunner:
 
   @classmethod
   def from_model(cls, model: Glm5NextForCausalLM, *, implementation: str = "auto") -> Glm5NextRunner:
-    prepare_grouped_matmul("auto", model.embed_tokens[...].dtype)
+    prepare_grouped_matmul("auto", model.embed_tokens.get_value().dtype)
     graphdef, params = nnx.split(model)
     return cls(graphdef, model.config, resolve_implementation(implementation), params)
 
@@ -97,7 +98,7 @@ class Glm5NextRunner:
     """The plan's layout; an attention kernel whose tiles do not fit this GPU's shared memory runs its
     XLA path, said once here (at start-up), never a compile error in a step."""
     layout = PagedLayout.from_plan(plan)
-    if self.implementation != "pallas" or jax.default_backend() == "cpu":  # interpret mode has no limit
+    if self.implementation != "pallas" or target_backend() == "cpu":  # interpret mode has no limit
       return layout
     fallbacks = kernel_fallbacks(self.config, layout, device_shared_memory_bytes())
     for kernel, reason in fallbacks.items():
@@ -187,6 +188,13 @@ class _Family:
     config: Glm5NextConfig, *, dtype: str = "float32", seed: int = 0, implementation: str = "auto"
   ) -> Glm5NextRunner:
     model = Glm5NextForCausalLM(config, dtype=_DTYPES[dtype], rngs=nnx.Rngs(seed))
+    return Glm5NextRunner.from_model(model, implementation=implementation)
+
+  @staticmethod
+  def from_shapes(config: Glm5NextConfig, *, dtype: str = "bfloat16", implementation: str = "auto") -> Glm5NextRunner:
+    """A runner whose weights are shapes only (``jax.ShapeDtypeStruct``), nothing allocated: for
+    tracing and lowering its step (``jaxkv.engine.lower_step``), not for running it."""
+    model = nnx.eval_shape(lambda: Glm5NextForCausalLM(config, dtype=_DTYPES[dtype], rngs=nnx.Rngs(0)))
     return Glm5NextRunner.from_model(model, implementation=implementation)
 
   @staticmethod
