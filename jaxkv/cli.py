@@ -14,6 +14,7 @@ from jaxkv.engine.model_runner import get_model_family
 from jaxkv.cache.cache_dtype import CACHE_DTYPES, MODEL_DTYPES
 from jaxkv.cache.kv_cache_config import LAYOUTS, LINEAR_PREFILLS, CacheConfig, plan_kv_cache
 from jaxkv.cache.kv_cache_report import render_plan
+from pallas_kernels.gpu_target import GPU_TARGETS as _GPU_TARGETS
 
 __all__ = ["main", "build_parser"]
 
@@ -85,14 +86,14 @@ def _auto_dtype(args, config) -> str:
   """vLLM's ``--dtype auto``: a checkpoint's own dtype; random weights bf16 on an accelerator and
   float32 on the CPU (bf16 matmuls there are slow and not the reference's precision). ``inspect``
   plans without weights: the config's dtype."""
-  if args.model_path or args.command == "inspect":
+  if args.model_path or args.command in ("inspect", "lower"):
     dtype, why = config.dtype, "the checkpoint's dtype" if args.model_path else "the config's dtype"
   else:
     from jaxkv.entrypoints.llm import resolve_dtype  # one rule for LLM and the command line
 
     dtype = resolve_dtype("auto", config, from_checkpoint=False)
     why = "random weights on the CPU" if dtype == "float32" else "random weights on a GPU"
-  if args.command != "inspect":
+  if args.command not in ("inspect", "lower"):
     print(f"jaxkv {args.command}: --dtype auto: {dtype} ({why})", file=sys.stderr)
   return dtype
 
@@ -481,6 +482,76 @@ _RANDOM_DRAFTS = (
 )
 
 
+def cmd_lower(args) -> int:
+  """The engine's step lowered for a GPU without one; with --build its Pallas kernels built by Triton."""
+  import pathlib
+
+  from jaxkv.engine.model_runner import plan_for
+  from jaxkv.engine.step_executor import lower_step
+  from jaxkv.kernel_build import build_kernel, triton_kernels
+  from pallas_kernels.gpu_target import GPU_TARGETS, gpu_target
+
+  out = pathlib.Path(args.out) if args.out else None
+  if out is not None:
+    out.mkdir(parents=True, exist_ok=True)
+  family, config = _model_config(args)
+  cache = cache_config_from_args(args, config)
+  buckets = sorted(set(args.buckets or (args.max_num_reqs, args.max_num_batched_tokens)))
+  variants = [(b, False) for b in buckets] + [(b, True) for b in buckets if cache.linear_prefill == "chunked"]
+  steps, kernels = [], {}
+  with gpu_target(args.target):
+    runner = family.from_shapes(config, dtype=args.dtype, implementation=args.implementation)
+    plan = plan_for(runner, cache)
+    for bucket, chunks in variants:
+      start = time.perf_counter()
+      lowered = lower_step(
+        runner,
+        plan,
+        max_num_reqs=args.max_num_reqs,
+        num_tokens=bucket,
+        num_speculative_tokens=cache.num_speculative_tokens,
+        linear_chunks=chunks,
+      )
+      found = triton_kernels(lowered)
+      name = f"step-{bucket}{'-chunked' if chunks else ''}"
+      if out is not None:
+        (out / f"{name}.mlir").write_text(lowered.as_text())
+      for k in found:
+        kernels.setdefault((k.name, k.ttir), k)
+      steps.append(
+        {"step": name, "tokens": bucket, "triton_kernels": len(found), "seconds": round(time.perf_counter() - start, 1)}
+      )
+      print(f"jaxkv lower: {name}: {len(found)} Triton kernels ({steps[-1]['seconds']} s)", file=sys.stderr)
+  builds = []
+  if args.build:
+    cc = GPU_TARGETS[args.target].compute_capability
+    for i, k in enumerate(kernels.values()):
+      print(f"jaxkv lower: building {k.name} for sm_{cc} ({i + 1}/{len(kernels)})", file=sys.stderr)
+      try:
+        builds.append(build_kernel(k, cc).describe())
+      except RuntimeError as e:
+        print(f"jaxkv lower: error: {e}", file=sys.stderr)
+        return 1
+      if out is not None:
+        (out / f"{k.name}-{i}.ttir").write_text(k.ttir)
+  if args.json:
+    json.dump({"target": args.target, "steps": steps, "kernels": builds}, sys.stdout, indent=1)
+    sys.stdout.write("\n")
+    return 0
+  for st in steps:
+    print(f"{st['step']:>20}  {st['triton_kernels']:>3} Triton kernels  lowered in {st['seconds']} s")
+  if builds:
+    print(f"\n{'kernel':<20} {'grid':>16} {'warps':>5} {'stages':>6} {'smem KiB':>9} {'regs':>5} {'spill st/ld B':>14}")
+    for b in builds:
+      grid = "x".join(map(str, b["grid"]))
+      spill = f"{b['spill_stores_bytes']}/{b['spill_loads_bytes']}"
+      print(
+        f"{b['kernel']:<20} {grid:>16} {b['num_warps']:>5} {b['num_stages']:>6} "
+        f"{b['shared_memory_bytes'] / 1024:>9.1f} {b['registers']:>5} {spill:>14}"
+      )
+  return 0
+
+
 def cmd_bench(args) -> int:
   import numpy as np
 
@@ -840,6 +911,46 @@ def build_parser() -> argparse.ArgumentParser:
     help="after the timed steps, trace 8 more with jax.profiler into DIR and print the heaviest kernels",
   )
   b.set_defaults(func=cmd_bench)
+
+  lo = sub.add_parser(
+    "lower",
+    formatter_class=_HelpFormatter,
+    help="lower the engine's step for a GPU without one; --build compiles its Pallas kernels with Triton",
+    description="Trace the engine's jitted step from shapes alone (no weights, no caches allocated) and "
+    "lower it for --target, its Pallas kernels to Triton as on that GPU. --build compiles each kernel "
+    "with Triton's own compiler to a cubin and reports its shared memory, registers and spills "
+    "(needs the triton package: the 'aot' extra). XLA compiles with the Triton it links, so this "
+    "is a strong hint, not a guarantee (docs/kernels.md).",
+  )
+  _add_model_args(lo, "glm-5.3-flash")
+  _add_cache_args(lo, "inspect")
+  lo.add_argument(
+    "--target", choices=sorted(_GPU_TARGETS), default="NVIDIA H200", help="the GPU to lower and build for"
+  )
+  lo.add_argument("--max-num-reqs", type=_positive, default=32, help="request rows per step")
+  lo.add_argument(
+    "--max-num-batched-tokens", type=_positive, default=2048, help="token budget per step (the largest bucket)"
+  )
+  lo.add_argument(
+    "--buckets",
+    type=_int_list,
+    default=None,
+    help="step token counts to lower (default: --max-num-reqs and the budget)",
+  )
+  lo.add_argument(
+    "--implementation", choices=("auto", "xla", "pallas"), default="auto", help="attention kernels (auto: Pallas)"
+  )
+  lo.add_argument(
+    "--build", action="store_true", help="compile each distinct kernel with Triton and report its resources"
+  )
+  lo.add_argument(
+    "--out",
+    metavar="DIR",
+    default=None,
+    help="write each step's StableHLO (and with --build each kernel's Triton IR) here",
+  )
+  lo.add_argument("--json", action="store_true", help="the results as one JSON object")
+  lo.set_defaults(func=cmd_lower)
 
   v = sub.add_parser(
     "serve",

@@ -1,0 +1,103 @@
+"""The engine's step lowered for a GPU on this CPU machine (``gpu_target``, ``lower_step``): every
+Pallas kernel lowers to Triton, sized by the target, and builds with Triton's own compiler within the
+target's shared memory (``jaxkv.kernel_build``)."""
+
+import json
+
+import pytest
+
+from jaxkv import CacheConfig
+from jaxkv.cli import main
+from jaxkv.engine import lower_step, plan_for
+from jaxkv.kernel_build import build_kernel, triton_kernels
+from models.glm5_next import get_config
+from models.glm5_next.runner import FAMILY
+from pallas_kernels import GPU_TARGETS, device_shared_memory_bytes, gpu_target, resolve_implementation
+from pallas_kernels._common import default_interpret, device_multiprocessors
+
+# The benchmark's model and cache (docs/performance.md), with a short max_model_len.
+BENCH = dict(
+  block_size=1024,
+  layout="packed",
+  kv_cache_dtype="bfloat16",
+  indexer_cache_dtype="fp8",
+  memory_bytes=8 << 30,
+  max_model_len=4096,
+)
+KERNELS = {
+  "step_metadata",
+  "fused_recurrent_kda",
+  "cache_write",
+  "kpool_compress",
+  "paged_mqa_logits",
+  "sparse_mla_decode",
+}
+
+
+def lower(num_tokens, target="NVIDIA H200", chunks=False, **cache):
+  with gpu_target(target):
+    runner = FAMILY.from_shapes(get_config("glm-5.3-flash-slice4"), dtype="bfloat16")
+    plan = plan_for(runner, CacheConfig(**{**BENCH, **cache}))
+    return triton_kernels(lower_step(runner, plan, max_num_reqs=32, num_tokens=num_tokens, linear_chunks=chunks))
+
+
+def by_name(kernels, name):
+  return [k for k in kernels if k.name == name]
+
+
+@pytest.mark.parametrize("num_tokens", [32, 2048])
+def test_the_benchmark_step_lowers_every_kernel_to_triton(num_tokens):
+  kernels = lower(num_tokens)
+  assert {k.name for k in kernels} == KERNELS
+  (sparse,) = by_name(kernels, "sparse_mla_decode")
+  assert sparse.grid[:2] == (num_tokens, 1) and sparse.num_warps == 8  # 64 heads in one 64-row tile
+  assert all(k.ttir.startswith("module") and "tt.func" in k.ttir for k in kernels)
+
+
+def test_chunked_prefill_lowers_chunk_kda_in_its_variant_only():
+  assert {k.name for k in lower(2048, chunks=True, linear_prefill="chunked")} == KERNELS | {"chunk_kda"}
+  assert "chunk_kda" not in {k.name for k in lower(32, linear_prefill="chunked")}
+
+
+def test_the_target_decides_interpretation_implementation_and_sizes():
+  assert default_interpret(None) and resolve_implementation("auto") == "xla"
+  assert device_shared_memory_bytes() is None and device_multiprocessors() is None
+  with gpu_target("NVIDIA A100"):
+    assert not default_interpret(None) and resolve_implementation("auto") == "pallas"
+    assert device_shared_memory_bytes() == 166_912 and device_multiprocessors() == 108
+  assert default_interpret(None)  # the context ends with the block
+  with pytest.raises(ValueError, match=r"unknown GPU 'NVIDIA V100'; targets: .*'NVIDIA H200'"):
+    gpu_target("NVIDIA V100")
+
+
+def test_tiles_follow_the_target_and_fit_its_shared_memory_as_built():
+  """float32 latents: 64 heads in one tile on the H200, two tiles of 32 on an L4 (99 KiB); Triton's
+  build of each asks for no more shared memory than its GPU gives (the tile rule's estimate holds)."""
+  for target, head_tiles in (("NVIDIA H200", 1), ("NVIDIA L4", 2)):
+    (sparse,) = by_name(lower(32, target, kv_cache_dtype="float32"), "sparse_mla_decode")
+    assert sparse.grid[1] == head_tiles
+    built = build_kernel(sparse, GPU_TARGETS[target].compute_capability)
+    assert 0 < built.shared_memory_bytes <= GPU_TARGETS[target].shared_memory_bytes, (target, built)
+
+
+def test_every_kernel_of_the_prefill_step_builds_for_sm_90():
+  kernels = lower(2048, chunks=True, linear_prefill="chunked")
+  distinct = {(k.name, k.ttir): k for k in kernels}.values()
+  for k in distinct:
+    built = build_kernel(k, 90)
+    assert built.shared_memory_bytes <= GPU_TARGETS["NVIDIA H200"].shared_memory_bytes, built
+    assert 0 < built.registers <= 255, built
+
+
+def test_cli_lower_json_and_files(tmp_path, capsys):
+  args = ["lower", "--config", "glm-5.3-flash-slice4", "--memory-gib", "8", "--max-model-len", "4096"]
+  assert main(args + ["--buckets", "32", "--build", "--json", "--out", str(tmp_path)]) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert out["target"] == "NVIDIA H200" and [s["step"] for s in out["steps"]] == ["step-32"]
+  assert out["steps"][0]["triton_kernels"] == 8
+  assert {b["kernel"] for b in out["kernels"]} == KERNELS and all(b["sm"] == 90 for b in out["kernels"])
+  assert (tmp_path / "step-32.mlir").read_text().count("xla.gpu.triton") == 8
+  assert len(list(tmp_path.glob("*.ttir"))) == len(out["kernels"])
+  with pytest.raises(SystemExit):  # argparse's choices name the targets
+    main(args + ["--target", "NVIDIA V100"])
+  assert "invalid choice: 'NVIDIA V100' (choose from 'NVIDIA A100'" in capsys.readouterr().err
