@@ -64,17 +64,15 @@ SWEEP = [
     [dict(reqs=1, tokens=2048), dict(reqs=2, tokens=1024), dict(reqs=32, tokens=1), dict(reqs=1, tokens=1)],
     [dict(block_v=b, num_warps=w) for b in (8, 16, 32, 64) for w in (1, 2, 4, 8)],
   ),
-  # Chunked KDA prefill at the same prefill steps: the precision of its products, the tile of V
-  # (each program recomputes the chunk's C x C matrices for its tile) and warps.
+  # Chunked KDA prefill at the same prefill steps: the precision of its products, the state
+  # kernel's tile of V and warps, the per-chunk kernel's tile of K and warps (`jaxkv lower --build`
+  # counts each setting's registers and spills without a GPU; docs/kernels.md).
   (
     "kda_chunk",
     [dict(reqs=1, tokens=2048), dict(reqs=2, tokens=1024)],
-    [
-      dict(block_v=b, num_warps=w, precision=p)
-      for p in ("float32", "tf32x3")
-      for b in (16, 32, 64, 128)
-      for w in (4, 8)
-    ],
+    [dict(precision="float32")]
+    + [dict(block_v=b, num_warps=w) for b in (16, 32, 64) for w in (4, 8)]
+    + [dict(prepare_block_k=b, prepare_warps=w) for b in (32, 64) for w in (4, 8, 16)],
   ),
   # tokamax's Mosaic GPU ragged dot at the MoE's shapes: decode steps (a few rows per expert), then
   # prefill steps of 2048 and 8192 tokens.

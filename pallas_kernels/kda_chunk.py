@@ -23,8 +23,14 @@ there are zeros, which add exact zeros.
 Layout: a request's tokens are contiguous and in position order in the flat batch (``StepInputs``);
 this step's tokens of request ``r`` continue from ``state[r]`` (the state at the start of the chunk
 holding its first position) and ``prefix`` (that chunk's rows before it). The wrapper gathers the
-step's chunks, prefix rows included, into chunk-major rows, and one program per (request, head,
-block of V) runs its request's chunks in order.
+step's chunks, prefix rows included, into chunk-major rows. Two kernels, as fla splits its own:
+``chunk_kda_prepare`` takes every chunk and head at once and computes what does not depend on the
+state (``M``, ``W = (I + A)^-1 (beta k exp(gam))``, ``U0 = (I + A)^-1 beta v``, the decayed ``q``
+and ``k``); then ``chunk_kda``, one program per (request, head, block of V), carries the state
+through its request's chunks in order with three products per chunk (``u = U0 - W S``,
+``o = (q exp(gam)) S + M u``, ``S' = diag(exp(gam_last)) S + (k exp(gam_last - gam))^T u``). One
+kernel doing both held ``[C, K]`` tiles of q, k, g and their decays at once and spilled 100 KB a
+thread (``jaxkv lower --build``, docs/kernels.md).
 
 ``"xla"`` is the CPU path and the reference: a scan over the same chunks, each by
 ``chunk_delta_rule`` (which the model's ``kda_chunked`` uses too).
@@ -59,50 +65,50 @@ _HP = jax.lax.Precision.HIGHEST
 PRECISIONS = {"float32": _HP, "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3}
 
 
-def _chunk_kda_kernel(
-  first_ref,
-  num_ref,
-  rem_ref,
+def _prepare_kernel(
+  owner_ref,
   q_ref,
   k_ref,
   g_ref,
   v_ref,
   beta_ref,
-  state_ref,
-  o_ref,
-  state_out_ref,
+  w_ref,
+  u0_ref,
+  qe_ref,
+  kd_ref,
+  m_ref,
+  decay_ref,
   *,
+  num_reqs,
   chunk,
-  block_v,
+  block_k,
   precision,
 ):
-  # first_ref / num_ref / rem_ref: [R] first chunk row-block, chunk count, rows of the last chunk
-  # (0: complete). q/k/g: [SUB + N*C, H, K] (SUB leading zero rows), v: [.., H, V], beta: [.., H];
-  # state_ref / state_out_ref: [R, H, K, V] (one buffer: a request without chunks is not
-  # touched); o_ref: [N*C, H, V].
-  r, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  cols = pl.ds(vb * block_v, block_v)
+  # One chunk and head: everything of the chunk that does not depend on the state. owner_ref: [N]
+  # request of each chunk (num_reqs: unused). q/k/g: [SUB + N*C, H, K] (SUB leading zero rows),
+  # v: [.., H, V], beta: [.., H]. Out: w, qe, kd [N*C, H, K], u0 [N*C, H, V], m [N, H, C, C],
+  # decay [N, H, K]. K is taken block_k columns at a time (the decays are per column): two passes,
+  # A and M summed over the blocks, then the products with (I + A)^-1; the tiles of one block only
+  # are live at a time.
+  n, h = pl.program_id(0), pl.program_id(1)
   c = chunk
   row = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
   col = jax.lax.broadcasted_iota(jnp.int32, (1, c), 1)
   eye = (row == col).astype(jnp.float32)
   _dot = lambda a, b: jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
-  num, rem = num_ref[r], rem_ref[r]
+  base = _SUB + n * c
+  rows = pl.ds(base, c)
+  blocks = [pl.ds(b * block_k, block_k) for b in range(q_ref.shape[2] // block_k)]
 
-  def chunk(i, s):
-    n = first_ref[r] + i
-    base = _SUB + n * c
-    rows = pl.ds(base, c)
-    q, k, g, v = q_ref[rows, h, :], k_ref[rows, h, :], g_ref[rows, h, :], v_ref[rows, h, cols]
-    beta = beta_ref[rows, h][:, None]  # [C, 1]
-    gam = jnp.cumsum(g, axis=0)  # [C, K]
-    a = jnp.zeros((c, c), jnp.float32)
-    m = jnp.zeros((c, c), jnp.float32)
+  def scores(ks, a, m):
+    """A and M (unscaled by beta) over the columns ``ks``, added to ``a``, ``m``."""
+    q, k = q_ref[rows, h, ks], k_ref[rows, h, ks]
+    gam = jnp.cumsum(g_ref[rows, h, ks], axis=0)  # [C, BK]
     # Across sub-blocks: rows of block [i0, i0 + SUB) against every earlier row, through row i0.
     for i0 in range(_SUB, c, _SUB):
-      g0 = jnp.sum(jnp.where(row == i0, gam, 0.0), axis=0)[None, :]  # [1, K]
+      g0 = jnp.sum(jnp.where(row == i0, gam, 0.0), axis=0)[None, :]  # [1, BK]
       before, block = row < i0, (row >= i0) & (row < i0 + _SUB)
-      right = jnp.where(before, k * jnp.exp(jnp.where(before, g0 - gam, 0.0)), 0.0)  # [C, K]
+      right = jnp.where(before, k * jnp.exp(jnp.where(before, g0 - gam, 0.0)), 0.0)  # [C, BK]
       e = jnp.exp(jnp.where(block, gam - g0, 0.0))
       a += _dot(jnp.where(block, k * e, 0.0), right.T)
       m += _dot(jnp.where(block, q * e, 0.0), right.T)
@@ -111,15 +117,23 @@ def _chunk_kda_kernel(
     # the chunk before are masked), its decay the sum of the d latest g's.
     def diagonal(d, carry):
       a, m, win = carry
-      win = win + g_ref[pl.ds(base - d + 1, c), h, :]
-      kd = k_ref[pl.ds(base - d, c), h, :] * jnp.exp(win)
+      win = win + g_ref[pl.ds(base - d + 1, c), h, ks]
+      kd = k_ref[pl.ds(base - d, c), h, ks] * jnp.exp(win)
       place = ((row % _SUB) >= d) & (col == row - d)
       a = a + jnp.where(place, jnp.sum(k * kd, axis=1, keepdims=True), 0.0)
       m = m + jnp.where(place, jnp.sum(q * kd, axis=1, keepdims=True), 0.0)
       return a, m, win
 
-    a, m, _ = jax.lax.fori_loop(1, _SUB, diagonal, (a, m, jnp.zeros_like(g)))
-    m = m + jnp.where(col == row, jnp.sum(q * k, axis=1, keepdims=True), 0.0)
+    a, m, _ = jax.lax.fori_loop(1, _SUB, diagonal, (a, m, jnp.zeros_like(gam)))
+    return a, m + jnp.where(col == row, jnp.sum(q * k, axis=1, keepdims=True), 0.0)
+
+  @pl.when(owner_ref[n] < num_reqs)
+  def _():
+    beta = beta_ref[rows, h][:, None]  # [C, 1]
+    a = m = jnp.zeros((c, c), jnp.float32)
+    for ks in blocks:
+      a, m = scores(ks, a, m)
+    m_ref[n, h] = m
     # (I + A)^-1 by forward substitution, row i = e_i - sum_{j<i} A_ij row j. Not by the power
     # series of -A (products of squarings): for a repeated key, I + A nears the all-ones triangle
     # and the series' terms reach ~1e17 before they cancel (tested).
@@ -130,11 +144,53 @@ def _chunk_kda_kernel(
       return jnp.where(row == i, eye - jnp.sum(ai * inv, axis=0, keepdims=True), inv)
 
     inv = jax.lax.fori_loop(1, c, substitute, eye)
-    eg = jnp.exp(gam)
-    u = _dot(inv, beta * v - _dot(beta * k * eg, s))  # [C, BV]
-    o_ref[pl.ds(n * c, c), h, cols] = _dot(q * eg, s) + _dot(m, u)
-    last = jnp.sum(jnp.where(row == c - 1, gam, 0.0), axis=0)  # [K]
-    s1 = s * jnp.exp(last)[:, None] + _dot((k * jnp.exp(last[None, :] - gam)).T, u)
+    out = pl.ds(n * c, c)
+    u0_ref[out, h, :] = _dot(inv, beta * v_ref[rows, h, :])
+    for ks in blocks:
+      k = k_ref[rows, h, ks]
+      gam = jnp.cumsum(g_ref[rows, h, ks], axis=0)
+      eg = jnp.exp(gam)
+      w_ref[out, h, ks] = _dot(inv, beta * k * eg)
+      qe_ref[out, h, ks] = q_ref[rows, h, ks] * eg
+      last = jnp.sum(jnp.where(row == c - 1, gam, 0.0), axis=0)  # [BK]
+      kd_ref[out, h, ks] = k * jnp.exp(last[None, :] - gam)
+      decay_ref[n, h, ks] = jnp.exp(last)
+
+
+def _chunk_kda_kernel(
+  first_ref,
+  num_ref,
+  rem_ref,
+  w_ref,
+  u0_ref,
+  qe_ref,
+  kd_ref,
+  m_ref,
+  decay_ref,
+  state_ref,
+  o_ref,
+  state_out_ref,
+  *,
+  chunk,
+  block_v,
+  precision,
+):
+  # One request, head and block of V, over the request's chunks in order: the state's part.
+  # first_ref / num_ref / rem_ref: [R] first chunk, chunk count, rows of the last chunk (0:
+  # complete); w/u0/qe/kd/m/decay: _prepare_kernel's; state_ref / state_out_ref: [R, H, K, V] (one
+  # buffer: a request without chunks is not touched); o_ref: [N*C, H, V].
+  r, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  cols = pl.ds(vb * block_v, block_v)
+  c = chunk
+  _dot = lambda a, b: jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
+  num, rem = num_ref[r], rem_ref[r]
+
+  def chunk(i, s):
+    n = first_ref[r] + i
+    rows = pl.ds(n * c, c)
+    u = u0_ref[rows, h, cols] - _dot(w_ref[rows, h, :], s)  # [C, BV]
+    o_ref[rows, h, cols] = _dot(qe_ref[rows, h, :], s) + _dot(m_ref[n, h], u)
+    s1 = s * decay_ref[n, h, :][:, None] + _dot(kd_ref[rows, h, :].T, u)
     # A chunk the step does not finish leaves the state at its start (the prefix carries its rows).
     return jnp.where((i < num - 1) | (rem == 0), s1, s)
 
@@ -239,7 +295,15 @@ def _validate(q, k, v, g, beta, state, prefix, req_indices, positions) -> int:
 
 @functools.partial(
   jax.jit,
-  static_argnames=("block_v", "num_warps", "precision", "implementation", "interpret"),
+  static_argnames=(
+    "block_v",
+    "num_warps",
+    "prepare_block_k",
+    "prepare_warps",
+    "precision",
+    "implementation",
+    "interpret",
+  ),
   donate_argnames=("state", "prefix"),
 )
 def chunk_kda(
@@ -255,7 +319,9 @@ def chunk_kda(
   *,
   block_v: int = 32,
   num_warps: int = 4,
-  precision: str = "float32",
+  prepare_block_k: int = 32,
+  prepare_warps: int = 8,
+  precision: str = "tf32x3",
   implementation: str = "auto",
   interpret: bool | None = None,
 ) -> tuple[Float[Array, "T H V"], Float[Array, "R H K V"], ChunkPrefix]:
@@ -271,7 +337,8 @@ def chunk_kda(
     req_indices: int32 ``[T]`` request of each token, -1 for tokens this call skips (padding, or
       tokens the caller runs recurrently); a request's tokens are contiguous and in order.
     positions: int32 ``[T]`` each token's position in its request.
-    block_v, num_warps: the kernel's tile of V and Triton's warps.
+    block_v, num_warps: the state kernel's tile of V and Triton's warps; prepare_block_k,
+      prepare_warps: the per-chunk kernel's tile of K and warps.
     precision: the kernel's matrix products, ``"float32"`` or ``"tf32x3"`` (``PRECISIONS``;
       interpreted: float32).
     implementation: ``"pallas"``, ``"xla"`` or ``"auto"`` (``resolve_implementation``).
@@ -290,23 +357,45 @@ def chunk_kda(
   interpret = default_interpret(interpret)
   if vd % bv or bv & (bv - 1) or bv < _SUB:
     raise ValueError(f"block_v must be a power of two >= {_SUB} dividing V = {vd}, got {bv}.")
+  bk = min(prepare_block_k, kd)
+  if kd % bk or bk & (bk - 1) or bk < _SUB:
+    raise ValueError(f"prepare_block_k must be a power of two >= {_SUB} dividing K = {kd}, got {bk}.")
   ch = _chunks(req_indices, positions, r, c)
   rows = tuple(_gather(x, pre, ch.src) for x, pre in zip((k, g, v, beta), prefix))
   n = ch.owner.shape[0]
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
-  o_rows, new_state = pl.pallas_call(
-    functools.partial(
-      _chunk_kda_kernel, chunk=c, block_v=bv, precision=PRECISIONS["float32" if interpret else precision]
+  prec = PRECISIONS["float32" if interpret else precision]
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  # Per chunk and head (all chunks at once): what does not depend on the state.
+  parts = pl.pallas_call(
+    functools.partial(_prepare_kernel, num_reqs=r, chunk=c, block_k=bk, precision=prec),
+    out_shape=(
+      f32(n * c, h, kd),
+      f32(n * c, h, vd),
+      f32(n * c, h, kd),
+      f32(n * c, h, kd),
+      f32(n, h, c, c),
+      f32(n, h, kd),
     ),
-    out_shape=(jax.ShapeDtypeStruct((n * c, h, vd), jnp.float32), jax.ShapeDtypeStruct(state.shape, jnp.float32)),
+    grid=(n, h),
+    in_specs=[any_spec] * 6,
+    out_specs=(any_spec,) * 6,
+    interpret=interpret,
+    compiler_params=pltriton.CompilerParams(num_warps=prepare_warps, num_stages=1),
+    name="chunk_kda_prepare",
+  )(ch.owner, _gather(q, None, ch.src), *rows)
+  # Per request, head and block of V: the state through the request's chunks, in order.
+  o_rows, new_state = pl.pallas_call(
+    functools.partial(_chunk_kda_kernel, chunk=c, block_v=bv, precision=prec),
+    out_shape=(f32(n * c, h, vd), f32(*state.shape)),
     grid=(r, h, vd // bv),
-    in_specs=[any_spec] * 9,
+    in_specs=[any_spec] * 10,
     out_specs=(any_spec, any_spec),
-    input_output_aliases={8: 1},  # the state, updated in place (donated)
+    input_output_aliases={9: 1},  # the state, updated in place (donated)
     interpret=interpret,
     compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
     name="chunk_kda",
-  )(ch.first, ch.num, ch.rem, _gather(q, None, ch.src), *rows, state)
+  )(ch.first, ch.num, ch.rem, *parts, state)
   return _finish(o_rows, new_state, prefix, rows, ch, req_indices, c)
 
 
@@ -348,9 +437,11 @@ def chunk_delta_rule(s0, q, k, v, g, beta):
   a = beta.T[:, :, None] * jnp.einsum("ihk,jhk,ijhk->hij", k, k, decay_strict, precision=hp)  # [H, C, C]
   eye = jnp.eye(c, dtype=a.dtype)
   inv = jax.scipy.linalg.solve_triangular(eye + a, jnp.broadcast_to(eye, a.shape), lower=True, unit_diagonal=True)
-  bk = beta[..., None] * k * jnp.exp(gam)
-  rhs = (beta[..., None] * v).transpose(1, 0, 2) - jnp.einsum("chk,hkv->hcv", bk, s0, precision=hp)
-  u = jnp.einsum("hij,hjv->hiv", inv, rhs, precision=hp)  # [H, C, V]
+  # u = (I + A)^-1 (beta v - (beta k exp(gam)) s0), associated as the kernel does: the products
+  # with the inverse do not depend on the state (w, u0), the state enters last.
+  w = jnp.einsum("hij,jhk->hik", inv, beta[..., None] * k * jnp.exp(gam), precision=hp)  # [H, C, K]
+  u0 = jnp.einsum("hij,jhv->hiv", inv, beta[..., None] * v, precision=hp)
+  u = u0 - jnp.einsum("hck,hkv->hcv", w, s0, precision=hp)  # [H, C, V]
   m = jnp.einsum("ihk,jhk,ijhk->hij", q, k, decay, precision=hp)
   o = jnp.einsum("chk,hkv->hcv", q * jnp.exp(gam), s0, precision=hp) + jnp.einsum("hij,hjv->hiv", m, u, precision=hp)
   last = gam[-1]  # [H, K]
