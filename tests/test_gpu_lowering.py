@@ -81,12 +81,14 @@ def test_tiles_follow_the_target_and_fit_its_shared_memory_as_built():
 
 
 def test_every_kernel_of_the_prefill_step_builds_for_sm_90():
+  """Within the H200's shared memory and 4 KiB of spills a thread (the one-kernel chunkwise KDA of
+  2026-12-04 spilled 100 KB; docs/kernels.md)."""
   kernels = lower(2048, chunks=True, linear_prefill="chunked")
   distinct = {(k.name, k.ttir): k for k in kernels}.values()
   for k in distinct:
     built = build_kernel(k, 90)
     assert built.shared_memory_bytes <= GPU_TARGETS["NVIDIA H200"].shared_memory_bytes, built
-    assert 0 < built.registers <= 255, built
+    assert 0 < built.registers <= 255 and built.spill_stores_bytes <= 4096, built
 
 
 def test_cli_lower_json_and_files(tmp_path, capsys):
