@@ -71,13 +71,14 @@ def test_the_target_decides_interpretation_implementation_and_sizes():
 
 
 def test_tiles_follow_the_target_and_fit_its_shared_memory_as_built():
-  """float32 latents: 64 heads in one tile on the H200, two tiles of 32 on an L4 (99 KiB); Triton's
-  build of each asks for no more shared memory than its GPU gives (the tile rule's estimate holds)."""
+  """float32 latents: 64 heads in one tile on the H200, two tiles of 32 on an L4, whose 99 KiB the
+  tile rule's estimate fills exactly; Triton's build asks for no more than that (the estimate holds
+  where it is tightest)."""
   for target, head_tiles in (("NVIDIA H200", 1), ("NVIDIA L4", 2)):
     (sparse,) = by_name(lower(32, target, kv_cache_dtype="float32"), "sparse_mla_decode")
     assert sparse.grid[1] == head_tiles
-    built = build_kernel(sparse, GPU_TARGETS[target].compute_capability)
-    assert 0 < built.shared_memory_bytes <= GPU_TARGETS[target].shared_memory_bytes, (target, built)
+  built = build_kernel(sparse, GPU_TARGETS["NVIDIA L4"].compute_capability)
+  assert 0 < built.shared_memory_bytes <= GPU_TARGETS["NVIDIA L4"].shared_memory_bytes, built
 
 
 def test_every_kernel_of_the_prefill_step_builds_for_sm_90():
