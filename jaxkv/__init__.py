@@ -32,6 +32,7 @@ from jaxkv import cache as _cache, host as _host, step as _step
 from jaxkv.cache import *  # noqa: F403
 from jaxkv.host import *  # noqa: F403
 from jaxkv.step import *  # noqa: F403
+from jaxkv.gpu_target import GPU_TARGETS, GpuTarget, gpu_target
 from jaxkv.utils import cdiv, round_up
 
 __version__ = "0.1.0"
@@ -54,4 +55,15 @@ def __getattr__(name: str):
   raise AttributeError(f"module 'jaxkv' has no attribute {name!r}")
 
 
-__all__ = [*_LAZY, *_cache.__all__, *_host.__all__, *_step.__all__, "cdiv", "round_up"]
+__all__ = [
+  *_LAZY,
+  *_cache.__all__,
+  *_host.__all__,
+  *_step.__all__,
+  "cdiv",
+  "round_up",
+  # Lowering for a GPU without one (jaxkv lower).
+  "gpu_target",
+  "GPU_TARGETS",
+  "GpuTarget",
+]

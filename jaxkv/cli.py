@@ -14,7 +14,7 @@ from jaxkv.engine.model_runner import get_model_family
 from jaxkv.cache.cache_dtype import CACHE_DTYPES, MODEL_DTYPES
 from jaxkv.cache.kv_cache_config import LAYOUTS, LINEAR_PREFILLS, CacheConfig, plan_kv_cache
 from jaxkv.cache.kv_cache_report import render_plan
-from pallas_kernels.gpu_target import GPU_TARGETS as _GPU_TARGETS
+from jaxkv.gpu_target import GPU_TARGETS as _GPU_TARGETS
 
 __all__ = ["main", "build_parser"]
 
@@ -489,7 +489,7 @@ def cmd_lower(args) -> int:
   from jaxkv.engine.model_runner import plan_for
   from jaxkv.engine.step_executor import lower_step
   from jaxkv.kernel_build import build_kernel, triton_kernels
-  from pallas_kernels.gpu_target import GPU_TARGETS, gpu_target
+  from jaxkv.gpu_target import GPU_TARGETS, gpu_target
 
   out = pathlib.Path(args.out) if args.out else None
   if out is not None:
@@ -511,6 +511,7 @@ def cmd_lower(args) -> int:
         num_tokens=bucket,
         num_speculative_tokens=cache.num_speculative_tokens,
         linear_chunks=chunks,
+        platform="cuda",
       )
       found = triton_kernels(lowered)
       name = f"step-{bucket}{'-chunked' if chunks else ''}"

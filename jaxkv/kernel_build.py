@@ -1,6 +1,6 @@
 """The Pallas kernels of a lowered program, read back as Triton IR and built by Triton's compiler.
 
-``jaxkv.engine.lower_step`` inside ``pallas_kernels.gpu_target`` gives the step a GPU would
+``jaxkv.engine.lower_step`` inside ``jaxkv.gpu_target`` gives the step a GPU would
 compile, on any machine; its Pallas kernels are custom calls carrying Triton IR. ``triton_kernels``
 reads them back (name, grid, warps, stages, the IR as text) and ``build_kernel`` compiles one with
 the ``triton`` package's own compiler down to a cubin for the target's compute capability, then

@@ -5,7 +5,6 @@ or ``"xla"`` (the reference). Measured numbers: ``docs/kernels.md``.
 """
 
 from pallas_kernels._common import device_shared_memory_bytes, resolve_implementation
-from pallas_kernels.gpu_target import GPU_TARGETS, GpuTarget, gpu_target, target_backend
 from pallas_kernels.cache_write import (
   decode_entries,
   encode_entries,
@@ -56,9 +55,4 @@ __all__ = [
   # What "auto" means on this device, and the device's shared memory (kernel tiles).
   "resolve_implementation",
   "device_shared_memory_bytes",
-  # Lowering for a GPU without one (ahead of time): the target and the backend traced for.
-  "gpu_target",
-  "GPU_TARGETS",
-  "GpuTarget",
-  "target_backend",
 ]

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 # interpreted kernel, it would change that context after the engine's warm-up and retrace the step.
 from jax.experimental.pallas import fuser  # noqa: F401
 
-from pallas_kernels.gpu_target import GPU_TARGETS, target_backend, target_gpu
+from jaxkv.gpu_target import GPU_TARGETS, target_backend, target_gpu
 
 IMPLEMENTATIONS = ("pallas", "xla")
 FP8_MAX = 448.0

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels._common import resolve_implementation
-from pallas_kernels.gpu_target import target_backend
+from jaxkv.gpu_target import target_backend
 
 __all__ = [
   "grouped_matmul",

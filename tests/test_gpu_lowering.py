@@ -12,7 +12,8 @@ from jaxkv.engine import lower_step, plan_for
 from jaxkv.kernel_build import build_kernel, triton_kernels
 from models.glm5_next import get_config
 from models.glm5_next.runner import FAMILY
-from pallas_kernels import GPU_TARGETS, device_shared_memory_bytes, gpu_target, resolve_implementation
+from jaxkv import GPU_TARGETS, gpu_target
+from pallas_kernels import device_shared_memory_bytes, resolve_implementation
 from pallas_kernels._common import default_interpret, device_multiprocessors
 
 # The benchmark's model and cache (docs/performance.md), with a short max_model_len.
@@ -38,7 +39,8 @@ def lower(num_tokens, target="NVIDIA H200", chunks=False, **cache):
   with gpu_target(target):
     runner = FAMILY.from_shapes(get_config("glm-5.3-flash-slice4"), dtype="bfloat16")
     plan = plan_for(runner, CacheConfig(**{**BENCH, **cache}))
-    return triton_kernels(lower_step(runner, plan, max_num_reqs=32, num_tokens=num_tokens, linear_chunks=chunks))
+    lowered = lower_step(runner, plan, max_num_reqs=32, num_tokens=num_tokens, linear_chunks=chunks, platform="cuda")
+    return triton_kernels(lowered)
 
 
 def by_name(kernels, name):
@@ -55,7 +57,10 @@ def test_the_benchmark_step_lowers_every_kernel_to_triton(num_tokens):
 
 
 def test_chunked_prefill_lowers_chunk_kda_in_its_variant_only():
-  assert {k.name for k in lower(2048, chunks=True, linear_prefill="chunked")} == KERNELS | {"chunk_kda_prepare", "chunk_kda"}
+  assert {k.name for k in lower(2048, chunks=True, linear_prefill="chunked")} == KERNELS | {
+    "chunk_kda_prepare",
+    "chunk_kda",
+  }
   assert "chunk_kda" not in {k.name for k in lower(32, linear_prefill="chunked")}
 
 

@@ -29,7 +29,6 @@ from jaxkv.engine.sampler import logprob_stats, sample
 from jaxkv.step.block_copy import BlockRegions, copy_blocks, pad_block_ids
 from jaxkv.step.step_inputs import StepInputs
 from jaxkv.step.step_metadata import StepMetadataSpec
-from pallas_kernels.gpu_target import target_backend
 
 __all__ = ["StepExecutor", "PackedInputs", "TOKEN_FIELDS", "lower_step"]
 
@@ -344,13 +343,15 @@ def lower_step(
   prompt_logprobs: bool = False,
   linear_chunks: bool = False,
   step_metadata_implementation: str = "auto",
+  platform: str | None = None,
 ) -> jax.stages.Lowered:
   """The engine's jitted step for a bucket of ``num_tokens``, traced from shapes alone and lowered
   (not compiled): the program a ``StepExecutor`` of these settings runs, nothing allocated.
 
   ``runner.params`` may be abstract (``jax.ShapeDtypeStruct`` leaves: ``FAMILY.from_shapes``).
-  Inside ``pallas_kernels.gpu_target(kind)`` the result is what that GPU compiles, its Pallas
-  kernels lowered to Triton (``jaxkv.kernel_build`` reads and compiles them); ``jaxkv lower``.
+  ``platform``: lower for it (``"cuda"``) rather than this machine's backend; inside
+  ``jaxkv.gpu_target(kind)`` the result is then what that GPU compiles, its Pallas
+  kernels lowered to Triton (``jaxkv.kernel_build`` reads and builds them; ``jaxkv lower``).
   """
   leaves, treedef = jax.tree.flatten(runner.params)
   statics = _step_statics(runner, plan, num_speculative_tokens, step_metadata_implementation, treedef)
@@ -368,9 +369,8 @@ def lower_step(
     spec(packing.template),
     jax.ShapeDtypeStruct((out_size,), jnp.int32),
   )
-  return _device_step.trace(statics, packing, *args).lower(
-    lowering_platforms=("cuda",) if target_backend() == "gpu" else None
-  )
+  platforms = None if platform is None else (platform,)
+  return _device_step.trace(statics, packing, *args).lower(lowering_platforms=platforms)
 
 
 class StepExecutor:

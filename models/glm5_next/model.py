@@ -23,7 +23,7 @@ from jaxtyping import Array, Float, Int
 
 from models.glm5_next.config import Glm5NextConfig
 from models.glm5_next.sharding import ModelSharding
-from pallas_kernels import target_backend
+from jaxkv.gpu_target import target_backend
 from pallas_kernels.grouped_matmul import grouped_matmul
 from pallas_kernels.kda_chunk import chunk_delta_rule
 from pallas_kernels.kda_recurrence import delta_rule_step

@@ -34,8 +34,8 @@ from pallas_kernels import (
   compute_step_metadata,
   device_shared_memory_bytes,
   resolve_implementation,
-  target_backend,
 )
+from jaxkv.gpu_target import target_backend
 from pallas_kernels.grouped_matmul import prepare_grouped_matmul
 
 __all__ = ["Glm5NextRunner", "FAMILY"]
