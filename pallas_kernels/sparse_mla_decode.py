@@ -107,13 +107,15 @@ def _sparse_mla_kernel(
     if scales_ref is None:
       c = pltriton.load(values_ref.at[row[:, None], cols], mask=valid[:, None], other=0).astype(dot_dtype)  # [BK, L]
     else:  # fp8 (Triton has no fp8 fill value): one fp32 scale per group of values, right after the values
+      # An e4m3 value times its power-of-two scale is exact in bf16 (the dot's dtype): dequantized
+      # there directly, the same bits as through float32 without a float32 [BK, L] tile.
       group = min(l, FP8_GROUP)
-      c = pltriton.load(values_ref.at[row[:, None], cols], mask=valid[:, None]).astype(jnp.float32)
+      c = pltriton.load(values_ref.at[row[:, None], cols], mask=valid[:, None]).astype(dot_dtype)
       sc = pltriton.load(
         scales_ref.at[row[:, None], ((col + l) // 4)[:, None] + jnp.arange(l // group)[None, :]], mask=valid[:, None]
-      )  # [BK, G]
+      ).astype(dot_dtype)  # [BK, G]
       c = (c.reshape(block_k, l // group, group) * sc[:, :, None]).reshape(block_k, l)
-      c = jnp.where(valid[:, None], c, 0.0).astype(dot_dtype)
+      c = jnp.where(valid[:, None], c, 0.0)
     s = jnp.dot(q, c.T, precision=precision, preferred_element_type=jnp.float32) * sm_scale  # [BH, BK]
     s = jnp.where(valid[None, :], s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
