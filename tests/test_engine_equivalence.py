@@ -129,11 +129,15 @@ def test_preemption_and_recompute_change_nothing(linear_prefill):
   # Dense for chunked prefill: a packed block holding its larger KDA pages would scale to 256 tokens.
   layout = "packed" if linear_prefill == "recurrent" else "dense"
   base = functools.partial(cfg, block_size=128, max_model_len=256, layout=layout, linear_prefill=linear_prefill)
-  roomy, _ = generate(base())
   probe = LLMEngine(runner(), base())
   state_blocks = probe.plan.blocks_per_request(1) - 1  # KDA groups + tail ring
   # Every request fits with one token block; only one can grow to its second one at a time.
   tight = base(memory_bytes=probe.plan.bytes_per_block * (1 + 3 * (state_blocks + 1) + 1))
+  # Without preemption: each request alone on the same engine (a request's outputs do not depend
+  # on the batch it shares; the same executables, nothing more to compile).
+  alone = LLMEngine(runner(), tight)
+  roomy = [(r.output_token_ids, r.output_logprobs) for p in grown for r in alone.generate([p], sampling)]
+  assert alone.scheduler.num_preemptions == 0
   # Preempting a request whose next token is in flight, and not; chunked prefill's point here is
   # the recompute's arithmetic, the same either way.
   for async_scheduling in (True, False)[: 2 if linear_prefill == "recurrent" else 1]:
