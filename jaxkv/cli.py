@@ -499,7 +499,12 @@ def cmd_lower(args) -> int:
   buckets = sorted(set(args.buckets or (args.max_num_reqs, args.max_num_batched_tokens)))
   variants = [(b, False) for b in buckets] + [(b, True) for b in buckets if cache.linear_prefill == "chunked"]
   steps, kernels = [], {}
-  with gpu_target(args.target):
+  try:
+    target = gpu_target(args.target)
+  except RuntimeError as e:  # a JAX without abstract devices
+    print(f"jaxkv lower: error: {e}", file=sys.stderr)
+    return 1
+  with target:
     runner = family.from_shapes(config, dtype=args.dtype, implementation=args.implementation)
     plan = plan_for(runner, cache)
     for bucket, chunks in variants:

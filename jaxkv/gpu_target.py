@@ -44,7 +44,8 @@ GPU_TARGETS = {
 
 def target_gpu():
   """The ``jax.sharding.AbstractDevice`` of the enclosing ``gpu_target``, or None."""
-  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  get = getattr(jax.sharding, "get_abstract_mesh", None)  # JAX versions before it have no target
+  device = getattr(get(), "abstract_device", None) if get is not None else None
   return device if device is not None and device.platform == "gpu" else None
 
 
@@ -63,7 +64,7 @@ def gpu_target(device_kind: str = "NVIDIA H200"):
   """
   if device_kind not in GPU_TARGETS:
     raise ValueError(f"unknown GPU {device_kind!r}; targets: {sorted(GPU_TARGETS)}.")
-  if not hasattr(jax.sharding, "AbstractDevice"):
+  if not all(hasattr(jax.sharding, n) for n in ("AbstractDevice", "AbstractMesh", "use_abstract_mesh")):
     raise RuntimeError(
       f"lowering for a GPU without one needs jax.sharding.AbstractDevice (JAX >= 0.12), got JAX {jax.__version__}."
     )
