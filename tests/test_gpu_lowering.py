@@ -3,6 +3,7 @@ Pallas kernel lowers to Triton, sized by the target, and builds with Triton's ow
 target's shared memory (``jaxkv.kernel_build``)."""
 
 import json
+import re
 
 import pytest
 
@@ -109,3 +110,25 @@ def test_cli_lower_json_and_files(tmp_path, capsys):
   with pytest.raises(SystemExit):  # argparse's choices name the targets
     main(args + ["--target", "NVIDIA V100"])
   assert "invalid choice: 'NVIDIA V100' (choose from 'NVIDIA A100'" in capsys.readouterr().err
+
+
+def test_lower_step_is_the_program_the_engine_runs():
+  """``lower_step`` from shapes alone gives the engine's own step, line for line (on this CPU; only
+  the entry's signature differs: the engine's arrays carry their device placement)."""
+  from test_engine_equivalence import cfg, runner
+
+  from jaxkv.engine import LLMEngine
+  from jaxkv.engine.step_executor import _device_step
+
+  engine = LLMEngine(runner(), cfg())
+  ex = engine.executor
+  packing = ex.packing(64)
+  args = (ex.param_leaves, ex.caches, ex.kernel_tables, packing.template, ex._prev_out)
+  real = _device_step.trace(ex.statics, packing, *args).lower().as_text()
+  ours = lower_step(runner(), engine.plan, max_num_reqs=engine.config.max_num_reqs, num_tokens=64).as_text()
+  body = lambda text: [
+    re.sub(r"loc\([^)]*\)", "", line)
+    for line in text.splitlines()
+    if not line.lstrip().startswith(("#loc", "sdy.mesh", "func.func public @main("))
+  ]
+  assert len(body(real)) > 1000 and body(real) == body(ours)
