@@ -488,7 +488,7 @@ def cmd_lower(args) -> int:
 
   from jaxkv.engine.model_runner import plan_for
   from jaxkv.engine.step_executor import lower_step
-  from jaxkv.kernel_build import build_kernel, triton_kernels
+  from jaxkv.kernel_build import build_kernels, triton_kernels
   from jaxkv.gpu_target import GPU_TARGETS, gpu_target
 
   out = pathlib.Path(args.out) if args.out else None
@@ -531,14 +531,14 @@ def cmd_lower(args) -> int:
   builds = []
   if args.build:
     cc = GPU_TARGETS[args.target].compute_capability
-    for i, k in enumerate(kernels.values()):
-      print(f"jaxkv lower: building {k.name} for sm_{cc} ({i + 1}/{len(kernels)})", file=sys.stderr)
-      try:
-        builds.append(build_kernel(k, cc).describe())
-      except RuntimeError as e:
-        print(f"jaxkv lower: error: {e}", file=sys.stderr)
-        return 1
-      if out is not None:
+    print(f"jaxkv lower: building {len(kernels)} kernels for sm_{cc}", file=sys.stderr)
+    try:
+      builds = [b.describe() for b in build_kernels(list(kernels.values()), cc)]
+    except RuntimeError as e:
+      print(f"jaxkv lower: error: {e}", file=sys.stderr)
+      return 1
+    if out is not None:
+      for i, k in enumerate(kernels.values()):
         (out / f"{k.name}-{i}.ttir").write_text(k.ttir)
   if args.json:
     json.dump({"target": args.target, "steps": steps, "kernels": builds}, sys.stdout, indent=1)

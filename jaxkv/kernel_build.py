@@ -2,8 +2,8 @@
 
 ``jaxkv.engine.lower_step`` inside ``jaxkv.gpu_target`` gives the step a GPU would
 compile, on any machine; its Pallas kernels are custom calls carrying Triton IR. ``triton_kernels``
-reads them back (name, grid, warps, stages, the IR as text) and ``build_kernel`` compiles one with
-the ``triton`` package's own compiler down to a cubin for the target's compute capability, then
+reads them back (name, grid, warps, stages, the IR as text) and ``build_kernels`` compiles them with
+the ``triton`` package's own compiler (in a child process) down to a cubin for the target's compute capability, then
 asks ``ptxas`` (shipped with ``triton``) for its registers and spills: whether every kernel builds
 for the H200, and at what register pressure, without an H200.
 
@@ -17,14 +17,16 @@ Needs ``pip install triton`` (the ``aot`` extra); reading the IR back uses two p
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import subprocess
+import sys
 import tempfile
 import time
 
 import jax
 
-__all__ = ["TritonKernel", "KernelBuild", "triton_kernels", "build_kernel"]
+__all__ = ["TritonKernel", "KernelBuild", "triton_kernels", "build_kernels", "build_kernel"]
 
 _TRITON_CALL = "__gpu$xla.gpu.triton"
 
@@ -121,21 +123,39 @@ def _ptxas_usage(ptxas: str, ptx: str, arch: str) -> tuple[int, int, int]:
   return int(regs.group(1)), int(spill.group(1)), int(spill.group(2))
 
 
-def build_kernel(kernel: TritonKernel, compute_capability: int) -> KernelBuild:
-  """Compiles ``kernel`` with Triton for ``sm_<compute_capability>`` (no GPU needed).
+def build_kernels(kernels: list[TritonKernel], compute_capability: int) -> list[KernelBuild]:
+  """Compiles each kernel with Triton for ``sm_<compute_capability>`` (no GPU needed), in a child
+  process: Triton links its own LLVM, and loaded beside jaxlib's it can abort a later XLA
+  compilation of this process (seen once in CI after kernels were built in a test worker).
 
   Raises:
-    RuntimeError: ``triton`` is not installed, or the kernel does not build (the message names
-      the kernel and Triton's error).
+    RuntimeError: ``triton`` is not installed, or a kernel does not build (the message names the
+      kernel and Triton's error).
   """
+  request = {"cc": compute_capability, "kernels": [dataclasses.asdict(k) for k in kernels]}
+  child = subprocess.run(
+    [sys.executable, "-m", "jaxkv.kernel_build"], input=json.dumps(request), capture_output=True, text=True
+  )
   try:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
-  except ImportError as e:
-    raise RuntimeError(
-      f"building kernels needs the triton package ({e}); pip install triton (the 'aot' extra)."
-    ) from None
+    answer = json.loads(child.stdout.splitlines()[-1])
+  except (IndexError, json.JSONDecodeError):
+    raise RuntimeError(f"the Triton build process failed (exit {child.returncode}):\n{child.stderr[-3000:]}") from None
+  if "error" in answer:
+    raise RuntimeError(answer["error"])
+  return [KernelBuild(k, compute_capability, **r) for k, r in zip(kernels, answer["builds"])]
+
+
+def build_kernel(kernel: TritonKernel, compute_capability: int) -> KernelBuild:
+  """``build_kernels`` of one kernel."""
+  return build_kernels([kernel], compute_capability)[0]
+
+
+def _build_here(kernel: TritonKernel, compute_capability: int) -> dict:
+  """The child's work for one kernel: Triton's compile, then ``ptxas -v``."""
+  import triton
+  from triton.backends.compiler import GPUTarget
+  from triton.backends.nvidia.compiler import get_ptxas
+
   start = time.perf_counter()
   with tempfile.NamedTemporaryFile("w", suffix=".ttir") as src:
     src.write(kernel.ttir)
@@ -152,4 +172,30 @@ def build_kernel(kernel: TritonKernel, compute_capability: int) -> KernelBuild:
   ptx = built.asm["ptx"]
   arch = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1)
   regs, stores, loads = _ptxas_usage(get_ptxas(compute_capability).path, ptx, arch)
-  return KernelBuild(kernel, compute_capability, built.metadata.shared, regs, stores, loads, seconds)
+  return dict(
+    shared_memory_bytes=built.metadata.shared,
+    registers=regs,
+    spill_stores_bytes=stores,
+    spill_loads_bytes=loads,
+    seconds=seconds,
+  )
+
+
+def _main() -> None:
+  """The child of ``build_kernels``: a JSON request on stdin, one JSON line of answers on stdout."""
+  request = json.load(sys.stdin)
+  try:
+    import triton  # noqa: F401
+  except ImportError as e:
+    answer = {"error": f"building kernels needs the triton package ({e}); pip install triton (the 'aot' extra)."}
+  else:
+    try:
+      kernels = [TritonKernel(**{**k, "grid": tuple(k["grid"])}) for k in request["kernels"]]
+      answer = {"builds": [_build_here(k, request["cc"]) for k in kernels]}
+    except RuntimeError as e:
+      answer = {"error": str(e)}
+  print(json.dumps(answer))
+
+
+if __name__ == "__main__":
+  _main()
