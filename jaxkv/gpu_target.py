@@ -43,10 +43,18 @@ GPU_TARGETS = {
 
 
 def target_gpu():
-  """The ``jax.sharding.AbstractDevice`` of the enclosing ``gpu_target``, or None."""
+  """The ``jax.sharding.AbstractDevice`` of the enclosing ``gpu_target``, or None.
+
+  An abstract mesh over this machine's own GPUs (a ``shard_map`` body on a device mesh) names
+  their kind too; it mirrors them and is no target (the driver answers for them), as Pallas's
+  own ``gpu_info`` reads it.
+  """
   get = getattr(jax.sharding, "get_abstract_mesh", None)  # JAX versions before it have no target
   device = getattr(get(), "abstract_device", None) if get is not None else None
-  return device if device is not None and device.platform == "gpu" else None
+  if device is None or device.platform != "gpu":
+    return None
+  local = jax.local_devices()[0]
+  return None if local.platform == "gpu" and local.device_kind == device.device_kind else device
 
 
 def target_backend() -> str:

@@ -133,3 +133,22 @@ def test_lower_step_is_the_program_the_engine_runs():
     if not line.lstrip().startswith(("#loc", "sdy.mesh", "func.func public @main("))
   ]
   assert len(body(real)) > 1000 and body(real) == body(ours)
+
+
+def test_a_mesh_over_this_machine_s_own_gpus_is_no_target(monkeypatch):
+  """Inside a ``shard_map`` body on real GPUs the abstract mesh names their kind ("NVIDIA H100 80GB
+  HBM3", not a ``GPU_TARGETS`` key): that mirrors the devices, whose driver answers, not a target."""
+  import types
+
+  import jax
+
+  from jaxkv.gpu_target import target_gpu
+
+  kind = "NVIDIA H100 80GB HBM3"
+  gpu = types.SimpleNamespace(platform="gpu", device_kind=kind, local_hardware_id=0)
+  monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [gpu])
+  own = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(kind, 132, "gpu"))
+  with jax.sharding.use_abstract_mesh(own):
+    assert target_gpu() is None and device_shared_memory_bytes() is not None  # the driver's (or 48 KiB)
+  with gpu_target("NVIDIA A100"):  # a deliberate other GPU still is one
+    assert target_gpu().device_kind == "NVIDIA A100" and device_shared_memory_bytes() == 166_912

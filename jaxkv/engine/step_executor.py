@@ -360,7 +360,7 @@ def lower_step(
   )
   spec = lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype)
   caches = {t.name: t.shape_dtype() for t in plan.tensors}
-  kernel_tables = tuple(spec(a) for a in plan.init_kernel_block_tables(max_num_reqs))
+  kernel_tables = jax.eval_shape(lambda: plan.init_kernel_block_tables(max_num_reqs))
   out_size = _out_size(_out_shapes(max_num_reqs, num_speculative_tokens, runner.vocab_size))
   args = (
     tuple(map(spec, leaves)),
