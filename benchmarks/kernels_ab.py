@@ -75,7 +75,7 @@ def run(args):
       ("previous_again", previous, {}),
       ("current_again", current, {}),
     ]
-    for kw in sizes:
+    for kw in json.loads(args.sizes) if args.sizes else sizes:
       row = {"kernel": module_name, **kw}
       for name, fn, tune in runs:
         # The benchmarks import the kernel from its module at call time: swap it there.
@@ -114,6 +114,9 @@ def main():
     default=[],
     metavar="NAME=JSON",
     help="also time the current kernel with these tuning arguments",
+  )
+  p.add_argument(
+    "--sizes", metavar="JSON", help='sizes to time instead of the defaults, e.g. \'[{"batch": 64, "ctx": 32768}]\''
   )
   p.add_argument("--iters", type=int, default=20)
   p.add_argument("--repeats", type=int, default=5)

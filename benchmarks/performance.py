@@ -256,7 +256,9 @@ def main() -> int:
   p.add_argument("--explain-cache-misses", action="store_true", help="log why each trace missed jit's cache")
   p.add_argument("--kv-cache-dtype", default="bfloat16", choices=("bfloat16", "fp8"), help="MLA latent cache")
   p.add_argument(
-    "--linear-prefill", default="recurrent", choices=("recurrent", "chunked"), help="KDA prompt tokens (CacheConfig)"
+    "--linear-prefill",
+    default="recurrent",
+    help="KDA prompt tokens (CacheConfig): recurrent, chunked, or both comma-separated, each run in turn",
   )
   args = p.parse_args()
   batches = [int(b) for b in args.batches.split(",")]
@@ -303,57 +305,58 @@ def main() -> int:
   for batch in batches:
     prompts = [list(rng.integers(1, config.vocab_size, args.context)) for _ in range(batch)]
     new_tokens = decode_new_tokens(batch, args.context, args.budget, args.steps, 8 if args.profile else 0)
-    cache = CacheConfig(
-      block_size=1024,
-      layout="packed",
-      kv_cache_dtype=args.kv_cache_dtype,
-      indexer_cache_dtype="fp8",
-      state_dtype="bfloat16",
-      linear_prefill=args.linear_prefill,
-      memory_bytes=int(args.memory_gib * 2**30),
-      max_model_len=args.context + new_tokens + 64,
-    )
-    for meta in args.metadata_implementations.split(","):
-      # Decode steps run exactly `batch` tokens (no padding routed through the MoE); prefill the budget.
-      engine_config = EngineConfig(
-        cache=cache,
-        max_num_reqs=batch,
-        max_num_batched_tokens=args.budget,
-        buckets=tuple(sorted({batch, args.budget})),
-        step_metadata_implementation=meta,
+    for linear_prefill in args.linear_prefill.split(","):
+      cache = CacheConfig(
+        block_size=1024,
+        layout="packed",
+        kv_cache_dtype=args.kv_cache_dtype,
+        indexer_cache_dtype="fp8",
+        state_dtype="bfloat16",
+        linear_prefill=linear_prefill,
+        memory_bytes=int(args.memory_gib * 2**30),
+        max_model_len=args.context + new_tokens + 64,
       )
-      engine = LLMEngine(runner, engine_config)
-      result = benchmark_decode(
-        engine,
-        prompts,
-        steps=args.steps,
-        new_tokens=new_tokens,
-        profile_dir=f"{args.profile}/b{batch}-{meta}" if args.profile else None,
-      )
-      del engine
-      uniform = expected_distinct_experts(config.n_routed_experts, config.num_experts_per_tok, batch)
-      flops = prefill_flops(runner, batch, args.context)
-      row = {
-        "system": "jaxkv",
-        "config": args.config,
-        "build_s": build_s,
-        "budget": args.budget,
-        "context": args.context,
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "linear_prefill": args.linear_prefill,
-        "implementation": runner.implementation,
-        "step_metadata_implementation": meta,
-        **result,
-        "uniform_routing_roofline_ms": decode_bytes(runner, batch, args.context, uniform, args.kv_cache_dtype)[
-          "total_bytes"
-        ]
-        / bandwidth
-        * 1e3,
-        "prefill_flops": flops,
-        "prefill_compute_floor_s": flops / gemm,
-      }
-      emit(row)
-      runs.append((row, prompts, new_tokens, engine_config))
+      for meta in args.metadata_implementations.split(","):
+        # Decode steps run exactly `batch` tokens (no padding routed through the MoE); prefill the budget.
+        engine_config = EngineConfig(
+          cache=cache,
+          max_num_reqs=batch,
+          max_num_batched_tokens=args.budget,
+          buckets=tuple(sorted({batch, args.budget})),
+          step_metadata_implementation=meta,
+        )
+        engine = LLMEngine(runner, engine_config)
+        result = benchmark_decode(
+          engine,
+          prompts,
+          steps=args.steps,
+          new_tokens=new_tokens,
+          profile_dir=f"{args.profile}/b{batch}-{meta}-{linear_prefill}" if args.profile else None,
+        )
+        del engine
+        uniform = expected_distinct_experts(config.n_routed_experts, config.num_experts_per_tok, batch)
+        flops = prefill_flops(runner, batch, args.context)
+        row = {
+          "system": "jaxkv",
+          "config": args.config,
+          "build_s": build_s,
+          "budget": args.budget,
+          "context": args.context,
+          "kv_cache_dtype": args.kv_cache_dtype,
+          "linear_prefill": linear_prefill,
+          "implementation": runner.implementation,
+          "step_metadata_implementation": meta,
+          **result,
+          "uniform_routing_roofline_ms": decode_bytes(runner, batch, args.context, uniform, args.kv_cache_dtype)[
+            "total_bytes"
+          ]
+          / bandwidth
+          * 1e3,
+          "prefill_flops": flops,
+          "prefill_compute_floor_s": flops / gemm,
+        }
+        emit(row)
+        runs.append((row, prompts, new_tokens, engine_config))
   # The routing pass after every timed one: tracing it with host callbacks needs jit's caches cleared.
   for row, prompts, new_tokens, engine_config in runs:
     jax.clear_caches()
