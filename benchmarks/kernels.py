@@ -65,15 +65,16 @@ SWEEP = [
     # 64 columns on one warp is left out: it alone spills when built for sm_90 (docs/kernels.md).
     [dict(block_v=b, num_warps=w) for b in (8, 16, 32, 64) for w in (1, 2, 4, 8) if (b, w) != (64, 1)],
   ),
-  # Chunked KDA prefill at the same prefill steps: the precision of its products, the state
-  # kernel's tile of V and warps, the per-chunk kernel's tile of K and warps (`jaxkv lower --build`
-  # counts each setting's registers and spills without a GPU; docs/kernels.md).
+  # Chunked KDA prefill at the same prefill steps: the state kernel's tile of V and warps, the
+  # per-chunk kernel's tile of K, warps and diagonal blocks of (I + A)^-1 (`jaxkv lower --build`
+  # counts each setting's registers and spills without a GPU; docs/kernels.md). IEEE float32
+  # products are out: 5.7x slower than 3xTF32 on the H200.
   (
     "kda_chunk",
     [dict(reqs=1, tokens=2048), dict(reqs=2, tokens=1024)],
-    [dict(precision="float32")]
-    + [dict(block_v=b, num_warps=w) for b in (16, 32, 64) for w in (4, 8)]
-    + [dict(prepare_block_k=b, prepare_warps=w) for b in (32, 64) for w in (4, 8)],
+    [dict(block_v=b, num_warps=w) for b in (16, 32, 64) for w in (4, 8)]
+    + [dict(prepare_block_k=b, prepare_warps=w) for b in (32, 64) for w in (4, 8)]
+    + [dict(inverse_block=b, prepare_warps=w) for b in (8, 16, 32) for w in (4, 8)],
   ),
   # tokamax's Mosaic GPU ragged dot at the MoE's shapes: decode steps (a few rows per expert), then
   # prefill steps of 2048 and 8192 tokens.

@@ -82,6 +82,7 @@ def _prepare_kernel(
   num_reqs,
   chunk,
   block_k,
+  inverse_block,
   precision,
 ):
   # One chunk and head: everything of the chunk that does not depend on the state. owner_ref: [N]
@@ -134,16 +135,27 @@ def _prepare_kernel(
     for ks in blocks:
       a, m = scores(ks, a, m)
     m_ref[n, h] = m
-    # (I + A)^-1 by forward substitution, row i = e_i - sum_{j<i} A_ij row j. Not by the power
-    # series of -A (products of squarings): for a repeated key, I + A nears the all-ones triangle
-    # and the series' terms reach ~1e17 before they cancel (tested).
+    # (I + A)^-1 by forward substitution, row i = e_i - sum_{j<i} A_ij row j, inside diagonal
+    # blocks of b rows (b = C: the whole chunk), then the blocks below them by products (fla's
+    # solve_tril). Not by the power series of -A (products of squarings): for a repeated key, I + A
+    # nears the all-ones triangle and the series' terms reach ~1e17 before they cancel (tested).
     a = beta * a
+    b = inverse_block
+    same = (row // b) == (col // b)  # [C, C]: the diagonal blocks
 
     def substitute(i, inv):
-      ai = jnp.sum(jnp.where(row == i, a, 0.0), axis=0)[:, None]  # [C, 1]: A[i, :]
-      return jnp.where(row == i, eye - jnp.sum(ai * inv, axis=0, keepdims=True), inv)
+      if b == c:  # one row a step: its A row by a reduction, no product
+        ai = jnp.sum(jnp.where(row == i, a, 0.0), axis=0)[:, None]  # [C, 1]: A[i, :]
+        return jnp.where(row == i, eye - jnp.sum(ai * inv, axis=0, keepdims=True), inv)
+      at = (row % b) == i  # row i of every block at once, by one product over the diagonal blocks
+      return jnp.where(at, eye - _dot(jnp.where(at & same, a, 0.0), inv), inv)
 
-    inv = jax.lax.fori_loop(1, c, substitute, eye)
+    inv = jax.lax.fori_loop(1, b, substitute, eye)
+    # Block row r below the diagonal: X_r,<r = -X_rr (A_r,<r X_<r), the earlier block rows final.
+    for r0 in range(b, c, b):
+      at = (row >= r0) & (row < r0 + b)
+      t = _dot(jnp.where(at & (col < r0), a, 0.0), inv)  # [C, C], block row r: A_r,<r X_<r
+      inv = inv - _dot(jnp.where(at & same, inv, 0.0), t)
     out = pl.ds(n * c, c)
     u0_ref[out, h, :] = _dot(inv, beta * v_ref[rows, h, :])
     for ks in blocks:
@@ -300,6 +312,7 @@ def _validate(q, k, v, g, beta, state, prefix, req_indices, positions) -> int:
     "num_warps",
     "prepare_block_k",
     "prepare_warps",
+    "inverse_block",
     "precision",
     "implementation",
     "interpret",
@@ -321,6 +334,7 @@ def chunk_kda(
   num_warps: int = 4,
   prepare_block_k: int = 32,
   prepare_warps: int = 8,
+  inverse_block: int | None = None,
   precision: str = "tf32x3",
   implementation: str = "auto",
   interpret: bool | None = None,
@@ -338,7 +352,9 @@ def chunk_kda(
       tokens the caller runs recurrently); a request's tokens are contiguous and in order.
     positions: int32 ``[T]`` each token's position in its request.
     block_v, num_warps: the state kernel's tile of V and Triton's warps; prepare_block_k,
-      prepare_warps: the per-chunk kernel's tile of K and warps.
+      prepare_warps: the per-chunk kernel's tile of K and warps; inverse_block: rows of the
+      diagonal blocks of ``(I + A)^-1`` found by forward substitution, the blocks below them by
+      products (a power of two dividing ``C``; None: ``C``, the whole chunk by substitution).
     precision: the kernel's matrix products, ``"float32"`` or ``"tf32x3"`` (``PRECISIONS``;
       interpreted: float32).
     implementation: ``"pallas"``, ``"xla"`` or ``"auto"`` (``resolve_implementation``).
@@ -360,6 +376,9 @@ def chunk_kda(
   bk = min(prepare_block_k, kd)
   if kd % bk or bk & (bk - 1) or bk < _SUB:
     raise ValueError(f"prepare_block_k must be a power of two >= {_SUB} dividing K = {kd}, got {bk}.")
+  ib = inverse_block or c
+  if c % ib or ib & (ib - 1):
+    raise ValueError(f"inverse_block must be a power of two dividing the chunk C = {c}, got {inverse_block}.")
   ch = _chunks(req_indices, positions, r, c)
   rows = tuple(_gather(x, pre, ch.src) for x, pre in zip((k, g, v, beta), prefix))
   n = ch.owner.shape[0]
@@ -368,7 +387,7 @@ def chunk_kda(
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   # Per chunk and head (all chunks at once): what does not depend on the state.
   parts = pl.pallas_call(
-    functools.partial(_prepare_kernel, num_reqs=r, chunk=c, block_k=bk, precision=prec),
+    functools.partial(_prepare_kernel, num_reqs=r, chunk=c, block_k=bk, inverse_block=ib, precision=prec),
     out_shape=(
       f32(n * c, h, kd),
       f32(n * c, h, vd),
