@@ -55,7 +55,8 @@ SWEEP = [
   (
     "sparse_mla_decode",
     [dict(batch=1, ctx=32768), dict(batch=64, ctx=32768)],
-    [dict(block_k=k, block_h=h, num_warps=w) for k in (32, 64) for h in (16, 32, 64) for w in (4, 8)],
+    [dict(block_k=k, block_h=h, num_warps=w) for k in (32, 64) for h in (16, 32, 64) for w in (4, 8)]
+    + [dict(latent_block=b, block_k=k) for b in (128, 256) for k in (32, 64)],
   ),
   # The KDA recurrence: prefill steps (one 2048-token request: a 32k prompt; two of 1024: the
   # 32 x 1024 benchmark) and decode steps. The tile of V sets the programs per (request, head).

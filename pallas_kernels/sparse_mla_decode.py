@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +79,7 @@ def _sparse_mla_kernel(
   sm_scale,
   cache_dtype,
   col_align,
+  latent_block,
 ):
   # q_ref: [T, Hp, L]; rows_ref / cols_ref: [T, Kp] latent row (-1: none) and element column, the
   # selected rows of each query first; count_ref: [T] selected rows per query;
@@ -90,10 +92,12 @@ def _sparse_mla_kernel(
   l = latent_dim
   dot_dtype = jnp.float32 if cache_dtype == "float32" else jnp.bfloat16
   precision = jax.lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
-  q = q_ref[t, pl.ds(hb * bh, bh), :].astype(dot_dtype)  # [BH, L]
+  bl = latent_block
+  sl = range(l // bl)
+  qs = [q_ref[t, pl.ds(hb * bh, bh), j * bl : (j + 1) * bl].astype(dot_dtype) for j in sl]  # [BH, BL] each
 
   def body(i, carry):
-    m, s_sum, acc = carry
+    m, s_sum, *acc = carry
     start = (first + i) * block_k
     row = rows_ref[t, pl.ds(start, block_k)]  # [BK]
     # Every entry starts col_align elements into its row (the view's static offsets): the hint lets
@@ -103,20 +107,32 @@ def _sparse_mla_kernel(
     row = jnp.maximum(row, 0)
     # Masked loads skip the unselected rows' bytes (the null block's may decode to NaN, and 0 * NaN
     # would poison p @ c); bf16/f32 ones read zeros there and feed the dots directly.
-    cols = col[:, None] + jnp.arange(l)[None, :]
-    if scales_ref is None:
-      c = pltriton.load(values_ref.at[row[:, None], cols], mask=valid[:, None], other=0).astype(dot_dtype)  # [BK, L]
-    else:  # fp8 (Triton has no fp8 fill value): one fp32 scale per group of values, right after the values
-      # An e4m3 value times its power-of-two scale is exact in bf16 (the dot's dtype): dequantized
-      # there directly, the same bits as through float32 without a float32 [BK, L] tile.
-      group = min(l, FP8_GROUP)
-      c = pltriton.load(values_ref.at[row[:, None], cols], mask=valid[:, None]).astype(dot_dtype)
-      sc = pltriton.load(
-        scales_ref.at[row[:, None], ((col + l) // 4)[:, None] + jnp.arange(l // group)[None, :]], mask=valid[:, None]
-      ).astype(dot_dtype)  # [BK, G]
-      c = (c.reshape(block_k, l // group, group) * sc[:, :, None]).reshape(block_k, l)
-      c = jnp.where(valid[:, None], c, 0.0)
-    s = jnp.dot(q, c.T, precision=precision, preferred_element_type=jnp.float32) * sm_scale  # [BH, BK]
+    # The latent in column slices of bl (latent_block; whole rows by default): fewer addresses live
+    # at once, the two products summed over the slices.
+    cs = []
+    for j in sl:
+      cols = col[:, None] + jnp.arange(j * bl, (j + 1) * bl)[None, :]
+      if scales_ref is None:
+        c = pltriton.load(values_ref.at[row[:, None], cols], mask=valid[:, None], other=0).astype(dot_dtype)  # [BK, BL]
+      else:  # fp8 (Triton has no fp8 fill value): one fp32 scale per group of values, right after the values
+        # An e4m3 value times its power-of-two scale is exact in bf16 (the dot's dtype): dequantized
+        # there directly, the same bits as through float32 without a float32 tile.
+        group = min(l, FP8_GROUP)
+        c = pltriton.load(values_ref.at[row[:, None], cols], mask=valid[:, None]).astype(dot_dtype)
+        ng = max(bl // group, 1)
+        sc = pltriton.load(
+          scales_ref.at[
+            row[:, None], ((col + l) // 4)[:, None] + jnp.arange(j * bl // group, j * bl // group + ng)[None, :]
+          ],
+          mask=valid[:, None],
+        ).astype(dot_dtype)  # [BK, NG]
+        c = (c.reshape(block_k, ng, bl // ng) * sc[:, :, None]).reshape(block_k, bl)
+        c = jnp.where(valid[:, None], c, 0.0)
+      cs.append(c)
+    s = functools.reduce(
+      operator.add, [jnp.dot(qj, c.T, precision=precision, preferred_element_type=jnp.float32) for qj, c in zip(qs, cs)]
+    )
+    s = s * sm_scale  # [BH, BK]
     s = jnp.where(valid[None, :], s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     # Rows that have seen no valid token keep m = -inf: use 0 there so exp() stays finite.
@@ -124,10 +140,11 @@ def _sparse_mla_kernel(
     alpha = jnp.exp(m - m_safe)
     p = jnp.exp(s - m_safe[:, None])
     s_sum = s_sum * alpha + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + jnp.dot(
-      p.astype(dot_dtype), c, precision=precision, preferred_element_type=jnp.float32
-    )
-    return m_new, s_sum, acc
+    acc = [
+      a * alpha[:, None] + jnp.dot(p.astype(dot_dtype), c, precision=precision, preferred_element_type=jnp.float32)
+      for a, c in zip(acc, cs)
+    ]
+    return m_new, s_sum, *acc
 
   # The selected rows come first, so the tiles holding any are a prefix: each split takes an even
   # share of them (not a fixed run of the K columns, which short contexts leave empty past the
@@ -137,9 +154,14 @@ def _sparse_mla_kernel(
   per = (n + pl.num_programs(2) - 1) // pl.num_programs(2)
   first = split * per
   tiles = jnp.clip(n - first, 0, per)
-  init = (jnp.full((bh,), -jnp.inf, jnp.float32), jnp.zeros((bh,), jnp.float32), jnp.zeros((bh, l), jnp.float32))
-  m, s_sum, acc = jax.lax.fori_loop(0, tiles, body, init)
-  acc_ref[t, split, pl.ds(hb * bh, bh), :] = acc
+  init = (
+    jnp.full((bh,), -jnp.inf, jnp.float32),
+    jnp.zeros((bh,), jnp.float32),
+    *[jnp.zeros((bh, bl), jnp.float32) for _ in sl],
+  )
+  m, s_sum, *acc = jax.lax.fori_loop(0, tiles, body, init)
+  for j, a in zip(sl, acc):
+    acc_ref[t, split, pl.ds(hb * bh, bh), j * bl : (j + 1) * bl] = a
   m_ref[t, split, pl.ds(hb * bh, bh)] = m
   l_ref[t, split, pl.ds(hb * bh, bh)] = s_sum
 
@@ -268,6 +290,7 @@ def _validate(q, cache, token_indices, req_indices, block_table, *, view: Kernel
     "num_splits",
     "num_warps",
     "num_stages",
+    "latent_block",
     "implementation",
     "interpret",
   ),
@@ -286,6 +309,7 @@ def sparse_mla_decode(
   num_splits: int | None = None,
   num_warps: int | None = 8,
   num_stages: int | None = None,
+  latent_block: int | None = None,
   implementation: str = "pallas",
   interpret: bool | None = None,
 ) -> Float[Array, "T H L"]:
@@ -305,6 +329,9 @@ def sparse_mla_decode(
     num_splits, num_warps, num_stages: splits of the selected tokens over programs
       (flash-decoding; None: ``sparse_mla_num_splits``), and Triton's launch knobs (tuning;
       ``benchmarks/kernels.py`` sweeps them).
+    latent_block: columns of the latent each load and product takes (a power of two >= 16
+      dividing ``L``; None: ``L``, whole rows). Narrower slices hold fewer addresses live at once
+      (tuning: fewer spills when built for sm_90, docs/kernels.md).
   """
   check_implementation(implementation)
   cache_dtype = _validate(q, cache, token_indices, req_indices, block_table, view=view)
@@ -312,6 +339,12 @@ def sparse_mla_decode(
   if implementation == "xla":
     return sparse_mla_decode_reference(q, cache, token_indices, req_indices, block_table, **kw)
   t, h, l = q.shape
+  if latent_block is not None and (
+    l % latent_block or latent_block & (latent_block - 1) or latent_block < MIN_DOT_ROWS
+  ):
+    raise ValueError(
+      f"latent_block must be a power of two >= {MIN_DOT_ROWS} dividing the latent dim {l}, got {latent_block}."
+    )
   interpret = default_interpret(interpret)
   if block_h is None or block_k is None:
     smem = None if interpret else device_shared_memory_bytes()
@@ -361,6 +394,7 @@ def sparse_mla_decode(
     sm_scale=sm_scale,
     cache_dtype=cache_dtype,
     col_align=math.gcd(view.offset_bytes, e) // elem,
+    latent_block=latent_block or l,
   )
   operands = [q, rows, cols, count, values]
   if scales is None:

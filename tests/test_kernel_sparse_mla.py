@@ -55,6 +55,10 @@ def test_sparse_mla_decode(layout, cache_dtype, rank):
   # the three 16-token tiles: a query's selected tiles spread over them (2 + 1, or 1 + none).
   default_tiles = [np.asarray(sparse_mla_decode(*args, **kw, implementation="pallas"))] if layout == "dense" else []
   two_splits = np.asarray(sparse_mla_decode(*args, **kw, implementation="pallas", block_k=16, num_splits=2))
+  # Rows loaded and multiplied in latent slices (narrower than an fp8 scale group at rank 256).
+  slices = np.asarray(
+    sparse_mla_decode(*args, **kw, implementation="pallas", block_k=16, latent_block=max(16, rank // 4))
+  )
   want = np.zeros_like(got, np.float64)
   for i, r in enumerate(reqs):
     sel = idx[i][idx[i] >= 0]
@@ -65,23 +69,26 @@ def test_sparse_mla_decode(layout, cache_dtype, rank):
     p = np.exp(s - s.max(-1, keepdims=True))
     want[i] = (p / p.sum(-1, keepdims=True)) @ c
   tol = 1e-5 if cache_dtype == "float32" else 3e-2
-  for out in (got, ref, two_splits, *default_tiles):
+  for out in (got, ref, two_splits, slices, *default_tiles):
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, want, rtol=tol, atol=tol)
   assert not got[0].any() and not got[-1].any()  # nothing selected -> zeros, not NaN
 
 
 def test_validation():
-  def decode(q, num_reqs=2, **view):
+  def decode(q, num_reqs=2, latent_block=None, **view):
+    tune = {"latent_block": latent_block} if latent_block else {}
     view = KernelView.for_rows(64 * 64, tokens_per_row=64, **view)
     args = (jnp.zeros((4, 64 * 64), jnp.uint8), jnp.zeros((2, 8), jnp.int32), jnp.zeros(num_reqs, jnp.int32))
-    return sparse_mla_decode(q, *args, jnp.zeros((2, 2), jnp.int32), view=view, sm_scale=1.0)
+    return sparse_mla_decode(q, *args, jnp.zeros((2, 2), jnp.int32), view=view, sm_scale=1.0, **tune)
 
   q = jnp.zeros((2, 4, 32), jnp.float32)
   with pytest.raises(ValueError, match=r"req_indices must be int32\[2\]"):
     decode(q, num_reqs=3, cache_dtype="bfloat16")
   with pytest.raises(ValueError, match="multiple of 128.*got 160"):
     decode(jnp.zeros((2, 4, 160), jnp.float32), cache_dtype="fp8")
+  with pytest.raises(ValueError, match=r"latent_block must be a power of two >= 16 dividing the latent dim 32, got 24"):
+    decode(q, cache_dtype="bfloat16", latent_block=24)
   # The entry encoding comes with the view: a view that does not say it is refused by name.
   with pytest.raises(ValueError, match=r"view of lat has cache_dtype None.*for_rows\(\.\.\., cache_dtype"):
     decode(q, layer_name="lat")
