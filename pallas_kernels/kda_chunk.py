@@ -376,8 +376,8 @@ def chunk_kda(
   bk = min(prepare_block_k, kd)
   if kd % bk or bk & (bk - 1) or bk < _SUB:
     raise ValueError(f"prepare_block_k must be a power of two >= {_SUB} dividing K = {kd}, got {bk}.")
-  ib = inverse_block or c
-  if c % ib or ib & (ib - 1):
+  ib = c if inverse_block is None else inverse_block
+  if ib < 1 or c % ib or ib & (ib - 1):
     raise ValueError(f"inverse_block must be a power of two dividing the chunk C = {c}, got {inverse_block}.")
   ch = _chunks(req_indices, positions, r, c)
   rows = tuple(_gather(x, pre, ch.src) for x, pre in zip((k, g, v, beta), prefix))

@@ -340,7 +340,7 @@ def sparse_mla_decode(
     return sparse_mla_decode_reference(q, cache, token_indices, req_indices, block_table, **kw)
   t, h, l = q.shape
   if latent_block is not None and (
-    l % latent_block or latent_block & (latent_block - 1) or latent_block < MIN_DOT_ROWS
+    latent_block < MIN_DOT_ROWS or l % latent_block or latent_block & (latent_block - 1)
   ):
     raise ValueError(
       f"latent_block must be a power of two >= {MIN_DOT_ROWS} dividing the latent dim {l}, got {latent_block}."

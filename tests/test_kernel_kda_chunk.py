@@ -194,6 +194,8 @@ def test_rejects_bad_arguments():
     chunk_kda(**args, prefix=ChunkPrefix.zeros(2, H, K, V, C), **ids, block_v=8, implementation="pallas")
   with pytest.raises(ValueError, match=r"inverse_block must be a power of two dividing the chunk C = 32, got 12"):
     chunk_kda(**args, prefix=ChunkPrefix.zeros(2, H, K, V, C), **ids, inverse_block=12, implementation="pallas")
+  with pytest.raises(ValueError, match=r"inverse_block must be .*got 0"):
+    chunk_kda(**args, prefix=ChunkPrefix.zeros(2, H, K, V, C), **ids, inverse_block=0, implementation="pallas")
 
 
 @pytest.mark.parametrize("impl", [*IMPLS, BLOCKED])

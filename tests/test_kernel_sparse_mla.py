@@ -77,7 +77,7 @@ def test_sparse_mla_decode(layout, cache_dtype, rank):
 
 def test_validation():
   def decode(q, num_reqs=2, latent_block=None, **view):
-    tune = {"latent_block": latent_block} if latent_block else {}
+    tune = {} if latent_block is None else {"latent_block": latent_block}
     view = KernelView.for_rows(64 * 64, tokens_per_row=64, **view)
     args = (jnp.zeros((4, 64 * 64), jnp.uint8), jnp.zeros((2, 8), jnp.int32), jnp.zeros(num_reqs, jnp.int32))
     return sparse_mla_decode(q, *args, jnp.zeros((2, 2), jnp.int32), view=view, sm_scale=1.0, **tune)
@@ -89,6 +89,8 @@ def test_validation():
     decode(jnp.zeros((2, 4, 160), jnp.float32), cache_dtype="fp8")
   with pytest.raises(ValueError, match=r"latent_block must be a power of two >= 16 dividing the latent dim 32, got 24"):
     decode(q, cache_dtype="bfloat16", latent_block=24)
+  with pytest.raises(ValueError, match=r"latent_block must be .*got 0"):
+    decode(q, cache_dtype="bfloat16", latent_block=0)
   # The entry encoding comes with the view: a view that does not say it is refused by name.
   with pytest.raises(ValueError, match=r"view of lat has cache_dtype None.*for_rows\(\.\.\., cache_dtype"):
     decode(q, layer_name="lat")
