@@ -22,12 +22,12 @@ def _memory_mappings() -> tuple[int, int] | None:
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
-  """Drops jit's compiled programs after a test module once the worker holds a third of the mappings
-  the kernel allows (one module added up to ~21,000). Each XLA CPU executable keeps several memory mappings of its code; a worker that
-  kept every program of the suite neared the limit (65,530 here: ~60,000 by the end of the run)
-  and XLA aborted while compiling when the next mapping failed. Clearing after every module cost
-  2.5 minutes of recompiling programs that later modules share; at a third of the limit it runs
-  a few times a run."""
+  """Drops jit's compiled programs after a test module once the worker holds a third of the
+  memory mappings the kernel allows (one module added up to ~21,000). Each XLA CPU executable keeps
+  several mappings of its code; a worker that kept every program of the suite neared the limit
+  (65,530 here: ~60,000 by the end of the run) and XLA aborted while compiling when the next
+  mapping failed. Clearing after every module cost 2.5 minutes of recompiling programs that later
+  modules share; at a third of the limit it runs a few times a run."""
   yield
   mappings = _memory_mappings()
   if mappings is not None and mappings[0] > mappings[1] // 3:
