@@ -26,7 +26,7 @@ import time
 
 import jax
 
-__all__ = ["TritonKernel", "KernelBuild", "triton_kernels", "build_kernels", "build_kernel"]
+__all__ = ["TritonKernel", "KernelBuild", "triton_kernels", "build_kernels"]
 
 _TRITON_CALL = "__gpu$xla.gpu.triton"
 
@@ -143,11 +143,6 @@ def build_kernels(kernels: list[TritonKernel], compute_capability: int) -> list[
   if "error" in answer:
     raise RuntimeError(answer["error"])
   return [KernelBuild(k, compute_capability, **r) for k, r in zip(kernels, answer["builds"])]
-
-
-def build_kernel(kernel: TritonKernel, compute_capability: int) -> KernelBuild:
-  """``build_kernels`` of one kernel."""
-  return build_kernels([kernel], compute_capability)[0]
 
 
 def _build_here(kernel: TritonKernel, compute_capability: int) -> dict:

@@ -94,6 +94,7 @@ def _sparse_mla_kernel(
   precision = jax.lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
   bl = latent_block
   sl = range(l // bl)
+  group = min(l, FP8_GROUP)  # fp8: values per scale
   qs = [q_ref[t, pl.ds(hb * bh, bh), j * bl : (j + 1) * bl].astype(dot_dtype) for j in sl]  # [BH, BL] each
 
   def body(i, carry):
@@ -117,7 +118,6 @@ def _sparse_mla_kernel(
       else:  # fp8 (Triton has no fp8 fill value): one fp32 scale per group of values, right after the values
         # An e4m3 value times its power-of-two scale is exact in bf16 (the dot's dtype): dequantized
         # there directly, the same bits as through float32 without a float32 tile.
-        group = min(l, FP8_GROUP)
         c = pltriton.load(values_ref.at[row[:, None], cols], mask=valid[:, None]).astype(dot_dtype)
         ng = max(bl // group, 1)
         sc = pltriton.load(

@@ -11,7 +11,7 @@ import pytest
 from jaxkv import CacheConfig
 from jaxkv.cli import main
 from jaxkv.engine import lower_step, plan_for
-from jaxkv.kernel_build import build_kernel, build_kernels, triton_kernels
+from jaxkv.kernel_build import build_kernels, triton_kernels
 from models.glm5_next import get_config
 from models.glm5_next.runner import FAMILY
 from jaxkv import GPU_TARGETS, gpu_target
@@ -84,7 +84,7 @@ def test_tiles_follow_the_target_and_fit_its_shared_memory_as_built():
   for target, head_tiles in (("NVIDIA H200", 1), ("NVIDIA L4", 2)):
     (sparse,) = by_name(lower(32, target, kv_cache_dtype="float32"), "sparse_mla_decode")
     assert sparse.grid[1] == head_tiles
-  built = build_kernel(sparse, GPU_TARGETS["NVIDIA L4"].compute_capability)
+  (built,) = build_kernels([sparse], GPU_TARGETS["NVIDIA L4"].compute_capability)
   assert 0 < built.shared_memory_bytes <= GPU_TARGETS["NVIDIA L4"].shared_memory_bytes, built
 
 
