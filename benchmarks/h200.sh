@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The H200 runs docs/performance.md ("Next lease") asks for, for a lent device whose calls stop at
+# a time limit and bring back a few files: each mode writes under $OUT/<mode>/ (./ when OUT is
+# unset) and packs it into $OUT/<mode>.tgz at the end, so one file comes back however many ran.
+#
+#   bash benchmarks/h200.sh correctness  # the conformance matrix (6 shards) beside the GPU suites
+#   bash benchmarks/h200.sh matrix       # the matrix alone (a second call finishes it)
+#   bash benchmarks/h200.sh timing       # the kernel sweeps, then decode / prefill at batches 1, 8, 32
+#
+# CONF: a folder of an earlier call's conformance JSON lines; its finished cells are skipped.
+# MATRIX_S / SUITE_S / SWEEP_S / PERF_S: the parts' time limits in seconds. tokamax (the MoE's
+# kernel) and its dependencies come as wheels in .wheels/ (docs/performance.md, "Reproduce"),
+# installed to /tmp/tk when present: the device cannot reach an index.
+set -u
+mode=${1:?usage: bash benchmarks/h200.sh correctness|matrix|timing}
+out="${OUT:-.}/$mode"
+mkdir -p "$out"
+if ls .wheels/*.whl >/dev/null 2>&1; then
+  pip install -q --no-deps --target /tmp/tk .wheels/*.whl $(ls .wheels/pyx/*.whl 2>/dev/null) 2>&1 | grep -v WARN
+  export PYTHONPATH="$PWD:/tmp/tk"
+fi
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,memory.used --format=csv >"$out/gpu.txt"
+git log -1 --format='%H %s' >>"$out/gpu.txt" 2>/dev/null
+# run LIMIT LOG CMD...: one part, its output to $out/LOG, its exit status on this call's output.
+run() {
+  local limit=$1 log=$2
+  shift 2
+  echo "== $*" >&2
+  timeout "$limit" "$@" >"$out/$log" 2>&1
+  echo "rc $? (limit ${limit}s): $*"
+  tail -6 "$out/$log"
+}
+matrix() {
+  export XLA_PYTHON_CLIENT_ALLOCATOR=platform # six processes share the GPU's memory
+  mkdir -p "$out/c"
+  [ -n "${CONF:-}" ] && cp "$CONF"/*.jsonl "$out/c/" 2>/dev/null
+  for i in 0 1 2 3 4 5; do
+    timeout 590 python benchmarks/conformance.py --shard $i/6 --out "$out/c/shard-$i.jsonl" \
+      --time-budget "${MATRIX_S:-420}" >"$out/c/log-$i.txt" 2>&1 &
+  done
+}
+case $mode in
+  correctness | matrix)
+    matrix
+    if [ "$mode" = correctness ]; then
+      run "${SUITE_S:-555}" suites.txt python -m pytest -q -n 4 -p no:benchmark -W ignore \
+        tests/test_kernel_kda_chunk.py tests/test_kernel_sparse_mla.py tests/test_engine_equivalence.py \
+        tests/test_speculative.py tests/test_prompt_logprobs.py tests/test_kernel_paged_mqa_logits.py \
+        tests/test_kernel_kpool.py tests/test_kernel_cache_write.py tests/test_model_paged.py \
+        tests/test_kernel_kda_recurrence.py tests/test_grouped_matmul.py
+    fi
+    wait
+    echo "cells: $(cat "$out"/c/*.jsonl | wc -l)"
+    python benchmarks/conformance.py --markdown "$out"/c/*.jsonl >"$out/matrix.md" 2>&1
+    tail -3 "$out/matrix.md"
+    ;;
+  timing)
+    # Nothing else on the GPU. The chunked KDA pair's settings (about 20 s each), then the sparse
+    # MLA kernel's at 64 x 32k (the column slices among them), then the engine.
+    run "${SWEEP_S:-200}" kda_chunk.txt python benchmarks/kernels.py --sweep --sweep-only --only kda_chunk \
+      --out "$out/kda_chunk"
+    run "${SWEEP_S:-200}" sparse_mla.txt python benchmarks/kernels.py --sweep --sweep-only \
+      --only sparse_mla_decode --out "$out/sparse_mla"
+    run "${PERF_S:-180}" performance.txt python benchmarks/performance.py --batches 1,8,32 \
+      --out "$out/performance.jsonl"
+    ;;
+  *)
+    echo "unknown mode $mode: want correctness, matrix or timing" >&2
+    exit 2
+    ;;
+esac
+tar czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")" && rm -rf "$out"
