@@ -6,15 +6,18 @@
 #   bash benchmarks/h200.sh correctness  # the conformance matrix (6 shards) beside the GPU suites
 #   bash benchmarks/h200.sh matrix       # the matrix alone (a second call finishes it)
 #   bash benchmarks/h200.sh timing       # the kernel sweeps, then decode / prefill at batches 1, 8, 32
+#   bash benchmarks/h200.sh ab DIR       # another checkout (a branch: git archive it into DIR and
+#                                        # carry DIR): its GPU suites, then performance.py at
+#                                        # batches 1 and 32, this tree and DIR interleaved, twice
 #
 # CONF: a folder of an earlier call's conformance JSON lines; its finished cells are skipped.
 # MATRIX_S / SUITE_S / SWEEP_S / PERF_S: the parts' time limits in seconds. tokamax (the MoE's
 # kernel) and its dependencies come as wheels in .wheels/ (docs/performance.md, "Reproduce"),
 # installed to /tmp/tk when present: the device cannot reach an index.
 set -u
-mode=${1:?usage: bash benchmarks/h200.sh correctness|matrix|timing}
-out="${OUT:-.}/$mode"
-mkdir -p "$out"
+mode=${1:?usage: bash benchmarks/h200.sh correctness|matrix|timing|ab DIR}
+mkdir -p "${OUT:-.}/$mode"
+out=$(cd "${OUT:-.}/$mode" && pwd) # absolute: the ab mode runs in two trees
 if ls .wheels/*.whl >/dev/null 2>&1; then
   pip install -q --no-deps --target /tmp/tk .wheels/*.whl $(ls .wheels/pyx/*.whl 2>/dev/null) 2>&1 | grep -v WARN
   export PYTHONPATH="$PWD:/tmp/tk"
@@ -22,6 +25,11 @@ fi
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,memory.used --format=csv >"$out/gpu.txt"
 git log -1 --format='%H %s' >>"$out/gpu.txt" 2>/dev/null
+# The test files with kernels or the step compiled on a GPU (the rest run the same code as on the CPU).
+SUITES="tests/test_kernel_kda_chunk.py tests/test_kernel_sparse_mla.py tests/test_engine_equivalence.py
+  tests/test_speculative.py tests/test_prompt_logprobs.py tests/test_kernel_paged_mqa_logits.py
+  tests/test_kernel_kpool.py tests/test_kernel_cache_write.py tests/test_model_paged.py
+  tests/test_kernel_kda_recurrence.py tests/test_grouped_matmul.py"
 # run LIMIT LOG CMD...: one part, its output to $out/LOG, its exit status on this call's output.
 run() {
   local limit=$1 log=$2
@@ -44,16 +52,25 @@ case $mode in
   correctness | matrix)
     matrix
     if [ "$mode" = correctness ]; then
-      run "${SUITE_S:-555}" suites.txt python -m pytest -q -n 4 -p no:benchmark -W ignore \
-        tests/test_kernel_kda_chunk.py tests/test_kernel_sparse_mla.py tests/test_engine_equivalence.py \
-        tests/test_speculative.py tests/test_prompt_logprobs.py tests/test_kernel_paged_mqa_logits.py \
-        tests/test_kernel_kpool.py tests/test_kernel_cache_write.py tests/test_model_paged.py \
-        tests/test_kernel_kda_recurrence.py tests/test_grouped_matmul.py
+      run "${SUITE_S:-555}" suites.txt python -m pytest -q -n 4 -p no:benchmark -W ignore $SUITES
     fi
     wait
     echo "cells: $(cat "$out"/c/*.jsonl | wc -l)"
     python benchmarks/conformance.py --markdown "$out"/c/*.jsonl >"$out/matrix.md" 2>&1
     tail -3 "$out/matrix.md"
+    ;;
+  ab)
+    other=$(cd "${2:?ab needs DIR, another checkout}" && pwd)
+    here=$PWD
+    (cd "$other" && export PYTHONPATH="$other:/tmp/tk" && run "${SUITE_S:-300}" ab-suites.txt python -m pytest \
+      -q -n 4 -p no:benchmark -W ignore $SUITES)
+    for i in 1 2; do
+      for tree in this other; do
+        dir=$([ $tree = this ] && echo "$here" || echo "$other")
+        (cd "$dir" && export PYTHONPATH="$dir:/tmp/tk" && run "${PERF_S:-120}" "perf-$i-$tree.txt" \
+          python benchmarks/performance.py --batches 1,32 --out "$out/perf-$tree.jsonl")
+      done
+    done
     ;;
   timing)
     # Nothing else on the GPU. The chunked KDA pair's settings (about 20 s each), then the sparse
@@ -66,7 +83,7 @@ case $mode in
       --out "$out/performance.jsonl"
     ;;
   *)
-    echo "unknown mode $mode: want correctness, matrix or timing" >&2
+    echo "unknown mode $mode: want correctness, matrix, timing or ab DIR" >&2
     exit 2
     ;;
 esac
