@@ -77,10 +77,9 @@ def test_sparse_mla_decode(layout, cache_dtype, rank):
 
 def test_validation():
   def decode(q, num_reqs=2, latent_block=None, **view):
-    tune = {} if latent_block is None else {"latent_block": latent_block}
     view = KernelView.for_rows(64 * 64, tokens_per_row=64, **view)
     args = (jnp.zeros((4, 64 * 64), jnp.uint8), jnp.zeros((2, 8), jnp.int32), jnp.zeros(num_reqs, jnp.int32))
-    return sparse_mla_decode(q, *args, jnp.zeros((2, 2), jnp.int32), view=view, sm_scale=1.0, **tune)
+    return sparse_mla_decode(q, *args, jnp.zeros((2, 2), jnp.int32), view=view, sm_scale=1.0, latent_block=latent_block)
 
   q = jnp.zeros((2, 4, 32), jnp.float32)
   with pytest.raises(ValueError, match=r"req_indices must be int32\[2\]"):
