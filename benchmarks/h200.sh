@@ -11,7 +11,7 @@
 #                                        # batches 1 and 32, this tree and DIR interleaved, twice
 #
 # CONF: a folder of an earlier call's conformance JSON lines; its finished cells are skipped.
-# MATRIX_S / SUITE_S / SWEEP_S / PERF_S: the parts' time limits in seconds. tokamax (the MoE's
+# MATRIX_S / SUITE_S / SWEEP_S / PERF_S: the parts' time limits in seconds (SUITE_S=0: ab skips the suites). tokamax (the MoE's
 # kernel) and its dependencies come as wheels in .wheels/ (docs/performance.md, "Reproduce"),
 # installed to /tmp/tk when present: the device cannot reach an index.
 set -u
@@ -62,8 +62,10 @@ case $mode in
   ab)
     other=$(cd "${2:?ab needs DIR, another checkout}" && pwd)
     here=$PWD
-    (cd "$other" && export PYTHONPATH="$other:/tmp/tk" && run "${SUITE_S:-300}" ab-suites.txt python -m pytest \
-      -q -n 4 -p no:benchmark -W ignore $SUITES)
+    if [ "${SUITE_S:-300}" != 0 ]; then # 0: the suites ran already (correctness mode on that tree)
+      (cd "$other" && export PYTHONPATH="$other:/tmp/tk" && run "${SUITE_S:-300}" ab-suites.txt python -m pytest \
+        -q -n 4 -p no:benchmark -W ignore $SUITES)
+    fi
     for i in 1 2; do
       for tree in this other; do
         dir=$([ $tree = this ] && echo "$here" || echo "$other")
