@@ -44,7 +44,7 @@ matrix() {
   mkdir -p "$out/c"
   [ -n "${CONF:-}" ] && cp "$CONF"/*.jsonl "$out/c/" 2>/dev/null
   for i in 0 1 2 3 4 5; do
-    timeout 590 python benchmarks/conformance.py --shard $i/6 --out "$out/c/shard-$i.jsonl" \
+    timeout $((${MATRIX_S:-420} + 150)) python benchmarks/conformance.py --shard $i/6 --out "$out/c/shard-$i.jsonl" \
       --time-budget "${MATRIX_S:-420}" >"$out/c/log-$i.txt" 2>&1 &
   done
 }
