@@ -11,9 +11,10 @@
 #                                        # batches 1 and 32, this tree and DIR interleaved, twice
 #
 # CONF: a folder of an earlier call's conformance JSON lines; its finished cells are skipped.
-# MATRIX_S / SUITE_S / SWEEP_S / PERF_S: the parts' time limits in seconds (SUITE_S=0: ab skips the suites). tokamax (the MoE's
-# kernel) and its dependencies come as wheels in .wheels/ (docs/performance.md, "Reproduce"),
-# installed to /tmp/tk when present: the device cannot reach an index.
+# MATRIX_S / SUITE_S / SWEEP_S / PERF_S: the parts' time limits in seconds (SUITE_S=0: ab skips
+# the suites); PERF_BATCHES: ab's batches (1,32). tokamax (the MoE's kernel) and its dependencies
+# come as wheels in .wheels/ (docs/performance.md, "Reproduce"), installed to /tmp/tk when present:
+# the device cannot reach an index.
 set -u
 mode=${1:?usage: bash benchmarks/h200.sh correctness|matrix|timing|ab DIR}
 mkdir -p "${OUT:-.}/$mode"
@@ -70,7 +71,7 @@ case $mode in
       for tree in this other; do
         dir=$([ $tree = this ] && echo "$here" || echo "$other")
         (cd "$dir" && export PYTHONPATH="$dir:/tmp/tk" && run "${PERF_S:-120}" "perf-$i-$tree.txt" \
-          python benchmarks/performance.py --batches 1,32 --out "$out/perf-$tree.jsonl")
+          python benchmarks/performance.py --batches "${PERF_BATCHES:-1,32}" --out "$out/perf-$tree.jsonl")
       done
     done
     ;;
