@@ -12,10 +12,13 @@
 #
 # CONF: a folder of an earlier call's conformance JSON lines; its finished cells are skipped.
 # MATRIX_S / SUITE_S / SWEEP_S / PERF_S: the parts' time limits in seconds (SUITE_S=0: ab skips
-# the suites); PERF_BATCHES: ab's batches (1,32). tokamax (the MoE's kernel) and its dependencies
+# the suites); CALL_S: the whole call's (580: a part is cut to what is left, and skipped under
+# 20 s, so the archive is always written); SUITE_N: the suites' pytest workers (4; the ab mode runs
+# them alone: 8); PERF_BATCHES: ab's batches (1,32). tokamax (the MoE's kernel) and its dependencies
 # come as wheels in .wheels/ (docs/performance.md, "Reproduce"), installed to /tmp/tk when present:
 # the device cannot reach an index.
 set -u
+end=$((SECONDS + ${CALL_S:-580}))
 mode=${1:?usage: bash benchmarks/h200.sh correctness|matrix|timing|ab DIR}
 mkdir -p "${OUT:-.}/$mode"
 out=$(cd "${OUT:-.}/$mode" && pwd) # absolute: the ab mode runs in two trees
@@ -35,6 +38,11 @@ SUITES="tests/test_kernel_kda_chunk.py tests/test_kernel_sparse_mla.py tests/tes
 run() {
   local limit=$1 log=$2
   shift 2
+  ((limit > end - SECONDS - 10)) && limit=$((end - SECONDS - 10))
+  if ((limit < 20)); then
+    echo "skipped (the call's time is up): $*"
+    return
+  fi
   echo "== $*" >&2
   timeout "$limit" "$@" >"$out/$log" 2>&1
   echo "rc $? (limit ${limit}s): $*"
@@ -53,7 +61,7 @@ case $mode in
   correctness | matrix)
     matrix
     if [ "$mode" = correctness ]; then
-      run "${SUITE_S:-555}" suites.txt python -m pytest -q -n 4 -p no:benchmark -W ignore $SUITES
+      run "${SUITE_S:-555}" suites.txt python -m pytest -q -n "${SUITE_N:-4}" -p no:benchmark -W ignore $SUITES
     fi
     wait
     echo "cells: $(cat "$out"/c/*.jsonl | wc -l)"
@@ -65,12 +73,15 @@ case $mode in
     here=$PWD
     if [ "${SUITE_S:-300}" != 0 ]; then # 0: the suites ran already (correctness mode on that tree)
       (cd "$other" && export PYTHONPATH="$other:/tmp/tk" && run "${SUITE_S:-300}" ab-suites.txt python -m pytest \
-        -q -n 4 -p no:benchmark -W ignore $SUITES)
+        -q -n "${SUITE_N:-8}" -p no:benchmark -W ignore $SUITES)
     fi
     for i in 1 2; do
       for tree in this other; do
         dir=$([ $tree = this ] && echo "$here" || echo "$other")
-        (cd "$dir" && export PYTHONPATH="$dir:/tmp/tk" && run "${PERF_S:-120}" "perf-$i-$tree.txt" \
+        # Each tree's executables cached on disk: the second round skips XLA's compile (66-73 s a
+        # batch's warm-up at batch 32 on the H200), not the tracing.
+        (cd "$dir" && export PYTHONPATH="$dir:/tmp/tk" JAX_COMPILATION_CACHE_DIR="/tmp/jcc-$tree" \
+          JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 && run "${PERF_S:-240}" "perf-$i-$tree.txt" \
           python benchmarks/performance.py --batches "${PERF_BATCHES:-1,32}" --out "$out/perf-$tree.jsonl")
       done
     done
