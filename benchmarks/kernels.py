@@ -264,15 +264,16 @@ def bench_kda(reqs, tokens, impl, iters, repeats, **tune):
   from pallas_kernels.kda_recurrence import fused_recurrent_kda
 
   q, k, v, g, beta, state, req = _kda_inputs(reqs, tokens)
-  states = jnp.zeros((reqs, 1, H_KDA, D_KDA, D_KDA), jnp.float32)
+  pages = jnp.zeros((reqs, H_KDA * D_KDA * D_KDA), jnp.uint32)  # one state page per request
+  dest = jnp.arange(reqs, dtype=jnp.int32)[:, None]
   slot = jnp.asarray(np.tile(np.r_[np.full(tokens - 1, -1), 0], reqs).astype(np.int32))  # the last token's: 0
 
   def step(carry, c):
-    q_, states_ = carry
-    o, states_ = fused_recurrent_kda(q_, *c[:5], states_, *c[5:], implementation=impl, **tune)
-    return q_ + _dep(o), states_
+    q_, pages_ = carry
+    o, pages_ = fused_recurrent_kda(q_, *c[:5], pages_, *c[5:], implementation=impl, **tune)
+    return q_ + _dep(o), pages_
 
-  sec = _timeit(step, (q, states), (k, v, g, beta, state, req, slot), iters, repeats)
+  sec = _timeit(step, (q, pages), (k, v, g, beta, state, dest, req, slot), iters, repeats)
   out_nbytes = v.nbytes  # o: [T, H, V] float32
   return sec, 2 * state.nbytes + q.nbytes + k.nbytes + v.nbytes + g.nbytes + beta.nbytes + out_nbytes
 

@@ -4,7 +4,7 @@ Every public entry point takes ``implementation="pallas"`` (the kernel; interpre
 or ``"xla"`` (the reference). Measured numbers: ``docs/kernels.md``.
 """
 
-from pallas_kernels._common import device_shared_memory_bytes, resolve_implementation
+from pallas_kernels._common import device_shared_memory_bytes, resolve_implementation, write_rows
 from pallas_kernels.cache_write import (
   decode_entries,
   encode_entries,
@@ -55,4 +55,6 @@ __all__ = [
   # What "auto" means on this device, and the device's shared memory (kernel tiles).
   "resolve_implementation",
   "device_shared_memory_bytes",
+  # Rows of a page array written in place (the KDA kernel's reference and the KDA pages).
+  "write_rows",
 ]

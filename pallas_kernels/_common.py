@@ -225,3 +225,13 @@ def pow2_chunks(n: int) -> list[tuple[int, int]]:
       out.append((start, size))
       start += size
   return out
+
+
+def write_rows(words: jax.Array, rows: jax.Array, offset: int, values: jax.Array) -> jax.Array:
+  """``words[rows[i], offset:offset + n] = values[i]`` for ``values [len(rows), n]``; a row out of
+  range writes nothing (one windowed scatter: no index per element)."""
+  idx = jnp.stack([rows, jnp.full_like(rows, offset)], axis=1)
+  dnums = jax.lax.ScatterDimensionNumbers(
+    update_window_dims=(1,), inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0, 1)
+  )
+  return jax.lax.scatter(words, idx, values, dnums, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)

@@ -5,8 +5,12 @@ out) and head ``h``, from ``s = state[r, h]`` (``[K, V]`` float32), token by tok
 
     s <- diag(exp(g_t)) s;   u = beta_t (v_t - s^T k_t);   s <- s + k_t u^T;   o_t = s^T q_t
 
-and the state after token ``t`` is saved to ``states[r, slot[t]]`` when ``0 <= slot[t] < S``
-(``S`` state slots per request: the last ``S`` tokens' states, for speculative rollback).
+and the state after token ``t`` is saved when ``0 <= slot[t] < S`` (``S`` state slots per request:
+the last ``S`` tokens' states, for speculative rollback) to the page of that slot,
+``pages[dest[r, slot[t]]]``, as float32 bits at word ``offset`` of the row. ``pages`` is the
+cache's own backing array seen as 32-bit words: the kernel writes the states where they live, so a
+step moves each state once in and once out, the traffic the decode roofline counts (a states
+buffer scattered into the pages afterwards moved it three more times: docs/performance.md).
 
 Why a kernel: one program per (request, head, block of V) runs its request's tokens in order with
 the same code whatever else is in the batch, so a token's output and states are bitwise the same
@@ -27,9 +31,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, UInt32
 
-from pallas_kernels._common import default_interpret, resolve_implementation
+from pallas_kernels._common import default_interpret, resolve_implementation, write_rows
 
 __all__ = [
   "fused_recurrent_kda",
@@ -44,26 +48,37 @@ def _kda_kernel(
   start_ref,
   len_ref,
   slot_ref,
+  dest_ref,
   q_ref,
   k_ref,
   v_ref,
   g_ref,
   beta_ref,
   state_ref,
-  states_in_ref,
+  pages_in_ref,
   o_ref,
-  states_ref,
+  pages_ref,
   *,
   block_v,
   num_slots,
+  offset,
 ):
   # start_ref / len_ref: [R] first flat token and token count of each request; slot_ref: [T];
-  # q/k/g: [T, H, K], v: [T, H, V], beta: [T, H]; state_ref: [R, H, K, V];
-  # o_ref: [T, H, V]; states_ref: [R, S, H, K, V] (aliases states_in_ref).
-  del states_in_ref
+  # dest_ref: [R, S] page of each slot; q/k/g: [T, H, K], v: [T, H, V], beta: [T, H];
+  # state_ref: [R, H, K, V]; o_ref: [T, H, V]; pages_ref: uint32 [N, W] (aliases pages_in_ref).
+  del pages_in_ref
   r, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   cols = pl.ds(vb * block_v, block_v)
   start, end = start_ref[r], start_ref[r] + len_ref[r]
+  kd, vd = state_ref.shape[2:]
+  # This program's [K, block_v] tile of the state in a page row: [H, K, V] from word ``offset``.
+  words = (
+    offset
+    + h * (kd * vd)
+    + jax.lax.broadcasted_iota(jnp.int32, (kd, block_v), 0) * vd
+    + vb * block_v
+    + jax.lax.broadcasted_iota(jnp.int32, (kd, block_v), 1)
+  )
 
   def load(t):
     return (q_ref[t, h, :], k_ref[t, h, :], v_ref[t, h, cols], g_ref[t, h, :], beta_ref[t, h], slot_ref[t])
@@ -78,9 +93,11 @@ def _kda_kernel(
     s = s + k[:, None] * u[None, :]
     o_ref[t, h, cols] = jnp.sum(s * q[:, None], axis=0)
 
-    @pl.when((slot >= 0) & (slot < num_slots))
+    page = dest_ref[r, jnp.clip(slot, 0, num_slots - 1)]
+
+    @pl.when((slot >= 0) & (slot < num_slots) & (page >= 0) & (page < pages_ref.shape[0]))
     def _():
-      states_ref[r, slot, h, :, cols] = s
+      pages_ref[page, words] = jax.lax.bitcast_convert_type(s, jnp.uint32)
 
     return s, nxt
 
@@ -118,15 +135,24 @@ def check_delta_rule_inputs(q, k, v, g, beta, state, *float32_arrays, **index_ar
     raise ValueError("q, k, v, g, beta and the states must be float32 (the recurrence runs in float32).")
 
 
-def _validate(q, k, v, g, beta, state, states, req_indices, slot):
-  check_delta_rule_inputs(q, k, v, g, beta, state, states, req_indices=req_indices, slot=slot)
+def _validate(q, k, v, g, beta, state, pages, dest, req_indices, slot, offset):
+  check_delta_rule_inputs(q, k, v, g, beta, state, req_indices=req_indices, slot=slot)
   r, h, kd, vd = state.shape
-  if states.ndim != 5 or states.shape[0] != r or states.shape[2:] != (h, kd, vd):
-    raise ValueError(f"states must be [{r}, S, {h}, {kd}, {vd}], got {list(states.shape)}.")
+  if pages.ndim != 2 or pages.dtype != jnp.uint32:
+    raise ValueError(f"pages must be uint32 [N, W] (the pages' 32-bit words), got {pages.dtype}{list(pages.shape)}.")
+  if dest.ndim != 2 or dest.shape[0] != r or dest.dtype != jnp.int32:
+    raise ValueError(f"dest must be int32 [R, S] with R = {r}, got {dest.dtype}{list(dest.shape)}.")
+  if not 0 <= offset <= pages.shape[1] - h * kd * vd:
+    raise ValueError(
+      f"offset must place a state of H * K * V = {h * kd * vd} words inside a page of W = {pages.shape[1]} "
+      f"words, got offset {offset}."
+    )
 
 
 @functools.partial(
-  jax.jit, static_argnames=("block_v", "num_warps", "implementation", "interpret"), donate_argnames=("states",)
+  jax.jit,
+  static_argnames=("offset", "block_v", "num_warps", "implementation", "interpret"),
+  donate_argnames=("pages",),
 )
 def fused_recurrent_kda(
   q: Float[Array, "T H K"],
@@ -135,73 +161,84 @@ def fused_recurrent_kda(
   g: Float[Array, "T H K"],
   beta: Float[Array, "T H"],
   state: Float[Array, "R H K V"],
-  states: Float[Array, "R S H K V"],
+  pages: UInt32[Array, "N W"],
+  dest: Int[Array, "R S"],
   req_indices: Int[Array, " T"],
   slot: Int[Array, " T"],
   *,
+  offset: int = 0,
   block_v: int = 32,
   num_warps: int = 4,
   implementation: str = "auto",
   interpret: bool | None = None,
-) -> tuple[Float[Array, "T H V"], Float[Array, "R S H K V"]]:
-  """The delta rule over each request's tokens; returns ``(o, states)``.
+) -> tuple[Float[Array, "T H V"], UInt32[Array, "N W"]]:
+  """The delta rule over each request's tokens; returns ``(o, pages)``.
 
   Args:
     q, k, g: float32 ``[T, H, K]`` (normed query and key, log-decay); v: ``[T, H, V]``;
       beta: ``[T, H]`` write strength.
     state: float32 ``[R, H, K, V]`` the state each request starts from.
-    states: float32 ``[R, S, H, K, V]`` (donated): slot ``slot[t]`` of request ``req_indices[t]``
-      receives the state after token ``t``; slots no token names keep their values.
+    pages: uint32 ``[N, W]`` (donated): the state after token ``t`` of request ``r`` goes, as
+      float32 bits in ``[H, K, V]`` order, to words ``[offset, offset + H*K*V)`` of row
+      ``dest[r, slot[t]]``; every other word keeps its value.
+    dest: int32 ``[R, S]`` the page row of each request's ``S`` state slots; out of ``[0, N)``:
+      not saved.
     req_indices: int32 ``[T]`` request of each token, -1 for padding; a request's tokens are
       contiguous and in order (``StepInputs``).
     slot: int32 ``[T]`` state slot of each token; outside ``[0, S)``: not saved.
+    offset: the state's first word in a page row (static).
     block_v, num_warps: the kernel's tile of V and Triton's warps.
     implementation: ``"pallas"``, ``"xla"`` or ``"auto"`` (``resolve_implementation``).
   Returns:
-    ``o`` float32 ``[T, H, V]`` (zero for padding tokens) and the updated ``states``.
+    ``o`` float32 ``[T, H, V]`` (zero for padding tokens) and the updated ``pages``.
   """
-  _validate(q, k, v, g, beta, state, states, req_indices, slot)
+  _validate(q, k, v, g, beta, state, pages, dest, req_indices, slot, offset)
   if resolve_implementation(implementation) == "xla":
-    return fused_recurrent_kda_reference(q, k, v, g, beta, state, states, req_indices, slot)
+    return fused_recurrent_kda_reference(q, k, v, g, beta, state, pages, dest, req_indices, slot, offset=offset)
   t, h, _ = q.shape
-  r, num_slots = states.shape[:2]
+  r, num_slots = dest.shape
   vd = state.shape[-1]
   bv = min(block_v, vd)
   if vd % bv or bv & (bv - 1):
     raise ValueError(f"block_v must be a power of two dividing V = {vd}, got {bv}.")
   start, count = request_spans(req_indices, r)
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
-  o, states = pl.pallas_call(
-    functools.partial(_kda_kernel, block_v=bv, num_slots=num_slots),
-    out_shape=(jax.ShapeDtypeStruct((t, h, vd), jnp.float32), jax.ShapeDtypeStruct(states.shape, jnp.float32)),
+  o, pages = pl.pallas_call(
+    functools.partial(_kda_kernel, block_v=bv, num_slots=num_slots, offset=offset),
+    out_shape=(jax.ShapeDtypeStruct((t, h, vd), jnp.float32), jax.ShapeDtypeStruct(pages.shape, pages.dtype)),
     grid=(r, h, vd // bv),
-    in_specs=[any_spec] * 10,
+    in_specs=[any_spec] * 11,
     out_specs=(any_spec, any_spec),
-    input_output_aliases={9: 1},
+    input_output_aliases={10: 1},
     interpret=default_interpret(interpret),
     compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
     name="fused_recurrent_kda",
-  )(start, count, slot, q, k, v, g, beta, state, states)
+  )(start, count, slot, dest, q, k, v, g, beta, state, pages)
   # Padding tokens belong to no program: their rows were never written.
-  return jnp.where((req_indices >= 0)[:, None, None], o, 0.0), states
+  return jnp.where((req_indices >= 0)[:, None, None], o, 0.0), pages
 
 
-def fused_recurrent_kda_reference(q, k, v, g, beta, state, states, req_indices, slot):
-  """Plain jnp, same arguments: a scan over the flat tokens, each on its own request's state."""
-  r, num_slots = states.shape[:2]
+def fused_recurrent_kda_reference(q, k, v, g, beta, state, pages, dest, req_indices, slot, *, offset=0):
+  """Plain jnp, same arguments: a scan over the flat tokens, each on its own request's state, then
+  the saved states written to their pages."""
+  r, num_slots = dest.shape
   dst = jnp.where(req_indices >= 0, req_indices, r)  # padding: out of range, dropped
   sl = jnp.where((slot >= 0) & (slot < num_slots), slot, num_slots)
 
   def step(carry, inp):
-    s_all, states = carry
+    s_all, saved = carry
     d, sl_t, qt, kt, vt, gt, bt = inp
     new, o = delta_rule_step(s_all[jnp.minimum(d, r - 1)], qt, kt, vt, gt, bt)
     s_all = s_all.at[d].set(new, mode="drop")
-    states = states.at[d, sl_t].set(new, mode="drop")
-    return (s_all, states), jnp.where(d < r, o, 0.0)
+    saved = saved.at[d, sl_t].set(new, mode="drop")
+    return (s_all, saved), jnp.where(d < r, o, 0.0)
 
-  (_, states), o = jax.lax.scan(step, (state, states), (dst, sl, q, k, v, g, beta))
-  return o, states
+  saved = jnp.zeros((r, num_slots, *state.shape[1:]), jnp.float32)
+  (_, saved), o = jax.lax.scan(step, (state, saved), (dst, sl, q, k, v, g, beta))
+  named = jnp.zeros((r, num_slots), bool).at[dst, sl].set(True, mode="drop")
+  rows = jnp.where(named, dest, pages.shape[0]).reshape(-1)  # not named, or out of range: dropped
+  words = jax.lax.bitcast_convert_type(saved, jnp.uint32).reshape(r * num_slots, -1)
+  return o, write_rows(pages, rows, offset, words)
 
 
 def delta_rule_step(s, q, k, v, g, beta):

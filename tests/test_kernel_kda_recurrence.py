@@ -50,46 +50,75 @@ def oracle(q, k, v, g, beta, state, req, slot, num_slots):
   return o, saved
 
 
+def random_pages(rng, r, req, num_slots, offset=5, spare=3):
+  """Random (poison) page words ``[N, W]`` with room for ``N > R * S`` states at ``offset`` and
+  ``spare`` words after, and a random, permuted ``dest [R, S]``; the last slot (its last token
+  saves there) of the first token's request is -1, of the last token's ``N``: no page, not saved."""
+  n = r * num_slots + 4
+  pages = rng.integers(0, 2**32, (n, offset + H * K * V + spare), dtype=np.uint32)
+  dest = rng.permutation(n)[: r * num_slots].reshape(r, num_slots).astype(np.int32)
+  dest[req[0], num_slots - 1] = -1
+  dest[req[req >= 0][-1], num_slots - 1] = n
+  return pages, dest
+
+
+def saved_states(pages, dest, offset):
+  """The float32 states ``[R, S, H, K, V]`` at ``dest`` (NaN where the row is out of range)."""
+  r, num_slots = dest.shape
+  out = np.full((r, num_slots, H, K, V), np.nan, np.float32)
+  for i in range(r):
+    for s in range(num_slots):
+      if 0 <= dest[i, s] < pages.shape[0]:
+        out[i, s] = pages[dest[i, s], offset : offset + H * K * V].view(np.float32).reshape(H, K, V)
+  return out
+
+
+def call(args, pages, dest, req, slot, impl, offset=5, **kw):
+  o, new = fused_recurrent_kda(
+    **{k: jnp.asarray(a) for k, a in args.items()},
+    pages=jnp.asarray(pages),
+    dest=jnp.asarray(dest),
+    req_indices=jnp.asarray(req),
+    slot=jnp.asarray(slot),
+    offset=offset,
+    implementation=impl,
+    **kw,
+  )
+  return np.asarray(o), np.asarray(new)
+
+
 @pytest.mark.parametrize("lengths,num_slots", [((5, 1, 9, 3), 1), ((1, 1, 1), 1), ((6, 2, 4), 3), ((17,), 2)])
 def test_kernel_matches_reference_and_oracle(lengths, num_slots):
   rng = np.random.default_rng(sum(lengths) * 31 + num_slots)
   args, req, slot, r = random_step(rng, lengths, 24, num_slots)
-  poison = np.full((r, num_slots, H, K, V), np.nan, np.float32)
-  call = lambda impl, **kw: fused_recurrent_kda(
-    **{k: jnp.asarray(a) for k, a in args.items()},
-    states=jnp.asarray(poison),
-    req_indices=jnp.asarray(req),
-    slot=jnp.asarray(slot),
-    implementation=impl,
-    **kw,
-  )
-  o_k, st_k = (np.asarray(a) for a in call("pallas", block_v=16))
-  o_r, st_r = (np.asarray(a) for a in call("xla"))
+  pages, dest = random_pages(rng, r, req, num_slots)
+  o_k, pages_k = call(args, pages, dest, req, slot, "pallas", block_v=16)
+  o_r, pages_r = call(args, pages, dest, req, slot, "xla")
   o_n, saved = oracle(**args, req=req, slot=slot, num_slots=num_slots)
   np.testing.assert_allclose(o_k, o_n, atol=2e-5)
   np.testing.assert_allclose(o_r, o_n, atol=2e-5)
   assert not o_k[req < 0].any()  # padding rows are zero, not left unwritten
-  for row in range(r):
-    for s in range(num_slots):
-      if (row, s) in saved:
-        np.testing.assert_allclose(st_k[row, s], saved[(row, s)], atol=2e-5)
-        np.testing.assert_allclose(st_r[row, s], saved[(row, s)], atol=2e-5)
-      else:  # never named: the poison is still there
-        assert np.isnan(st_k[row, s]).all() and np.isnan(st_r[row, s]).all()
+  # Only the saved states' words change: every other word (other rows, the words before and after
+  # a state, slots no token names, the slot without a page) keeps its poison.
+  kept = np.ones(pages.shape, bool)
+  for row, s in saved:
+    if 0 <= dest[row, s] < pages.shape[0]:
+      kept[dest[row, s], 5 : 5 + H * K * V] = False
+  assert (~kept).any()
+  for got in (pages_k, pages_r):
+    np.testing.assert_array_equal(got[kept], pages[kept])
+    states = saved_states(got, dest, 5)
+    for (row, s), want in saved.items():
+      if 0 <= dest[row, s] < pages.shape[0]:
+        np.testing.assert_allclose(states[row, s], want, atol=2e-5)
 
 
 def test_kernel_is_batch_invariant():
   """A request's outputs and states are bitwise the same alone or in a batch, at any offset."""
   rng = np.random.default_rng(3)
   args, req, slot, r = random_step(rng, (4, 7, 2), 16, 1)
-  states = jnp.zeros((r, 1, H, K, V), jnp.float32)
-  full_o, full_s = fused_recurrent_kda(
-    **{k: jnp.asarray(a) for k, a in args.items()},
-    states=states,
-    req_indices=jnp.asarray(req),
-    slot=jnp.asarray(slot),
-    implementation="pallas",
-  )
+  pages, dest = random_pages(rng, r, req, 1)
+  full_o, full_p = call(args, pages, dest, req, slot, "pallas")
   row = int(req[4])  # the second request: tokens 4 .. 10
   sel = np.where(req == row)[0]
   alone = {k: (a[sel] if k != "state" else a) for k, a in args.items()}
@@ -97,39 +126,26 @@ def test_kernel_is_batch_invariant():
   alone = {k: (pad(a) if k != "state" else a) for k, a in alone.items()}
   req_a = np.array([-1] * 3 + [row] * len(sel), np.int32)
   slot_a = np.array([-1] * 3 + list(slot[sel]), np.int32)
-  o, s = fused_recurrent_kda(
-    **{k: jnp.asarray(a) for k, a in alone.items()},
-    states=jnp.zeros_like(states),
-    req_indices=jnp.asarray(req_a),
-    slot=jnp.asarray(slot_a),
-    implementation="pallas",
-  )
-  np.testing.assert_array_equal(np.asarray(o)[3:], np.asarray(full_o)[sel])
-  np.testing.assert_array_equal(np.asarray(s)[row], np.asarray(full_s)[row])
+  o, p = call(alone, pages, dest, req_a, slot_a, "pallas")
+  np.testing.assert_array_equal(o[3:], full_o[sel])
+  np.testing.assert_array_equal(p[dest[row, 0]], full_p[dest[row, 0]])
 
 
 def test_bad_arguments_name_the_shapes():
   rng = np.random.default_rng(0)
   args, req, slot, r = random_step(rng, (3,), 8, 1)
-  args = {k: jnp.asarray(a) for k, a in args.items()}
-  states = jnp.zeros((r, 1, H, K, V), jnp.float32)
+  pages, dest = random_pages(rng, r, req, 1)
   with pytest.raises(ValueError, match=r"v \[T, H, V\]"):
-    fused_recurrent_kda(
-      **{**args, "v": args["v"][:, :, :8].reshape(8, H * 2, 4)},
-      states=states,
-      req_indices=jnp.asarray(req),
-      slot=jnp.asarray(slot),
-    )
+    call({**args, "v": args["v"][:, :, :8].reshape(8, H * 2, 4)}, pages, dest, req, slot, "xla")
   with pytest.raises(ValueError, match="slot must be int32"):
-    fused_recurrent_kda(**args, states=states, req_indices=jnp.asarray(req), slot=jnp.asarray(slot[:4]))
+    call(args, pages, dest, req, slot[:4], "xla")
   with pytest.raises(ValueError, match="float32"):
-    fused_recurrent_kda(
-      **{**args, "q": args["q"].astype(jnp.bfloat16)},
-      states=states,
-      req_indices=jnp.asarray(req),
-      slot=jnp.asarray(slot),
-    )
+    call({**args, "q": args["q"].astype(jnp.bfloat16)}, pages, dest, req, slot, "xla")
   with pytest.raises(ValueError, match="block_v must be a power of two"):
-    fused_recurrent_kda(
-      **args, states=states, req_indices=jnp.asarray(req), slot=jnp.asarray(slot), implementation="pallas", block_v=12
-    )
+    call(args, pages, dest, req, slot, "pallas", block_v=12)
+  with pytest.raises(ValueError, match="pages must be uint32"):
+    call(args, pages.view(np.float32), dest, req, slot, "xla")
+  with pytest.raises(ValueError, match=r"dest must be int32 \[R, S\] with R = 2"):
+    call(args, pages, dest[:1], req, slot, "xla")
+  with pytest.raises(ValueError, match="offset must place a state of H \\* K \\* V = 1024 words inside a page of W"):
+    call(args, pages, dest, req, slot, "xla", offset=9)

@@ -37,7 +37,7 @@ from jaxkv.step.step_inputs import StepInputs
 from models.glm5_next.config import Glm5NextConfig
 from models.glm5_next.model import Glm5NextForCausalLM, KimiDeltaAttention
 from pallas_kernels.cache_write import encode_entries, write_to_paged_cache
-from pallas_kernels import resolve_implementation
+from pallas_kernels import resolve_implementation, write_rows
 from pallas_kernels.kda_chunk import ChunkPrefix, chunk_kda
 from pallas_kernels.kda_recurrence import fused_recurrent_kda
 from pallas_kernels.kpool import kpool_compress_and_write
@@ -221,20 +221,41 @@ def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, layout: Pag
   kda = functools.partial(
     fused_recurrent_kda, implementation=kernel_implementation("fused_recurrent_kda", implementation)
   )
-  args = (q, kk, v, g, beta, rec, jnp.zeros((num_reqs, num_slots) + rec.shape[1:], rec.dtype), req_recurrent, slot)
-  o, rec_slots = _per_device(attn, kda, args, in_axes=(1, 1, 1, 1, 1, 1, 2, None, None), out_axes=(1, 2))
+  # The kernel writes the states into their pages where its heads and the page's split agree (one
+  # device, or pages split by head); a page whole on every device under a head-split recurrence
+  # (packed, on a mesh) gets the states gathered from the devices and written by XLA.
+  in_place = attn.head_sharding is None or shards > 1
+  if in_place:
+    args = (q, kk, v, g, beta, rec, arr, table, req_recurrent, slot)
+    o, arr = on_pages(functools.partial(page.recurrence, kda), args, (1,) * 7 + (None,) * 3, (1, 1))
+  else:
+
+    def to_slots(q, k, v, g, beta, state, req_indices, slot):
+      words = jnp.zeros((num_reqs * num_slots, state[0].size), jnp.uint32)
+      dest = jnp.arange(num_reqs * num_slots, dtype=jnp.int32).reshape(num_reqs, num_slots)
+      o, words = kda(q, k, v, g, beta, state, words, dest, req_indices, slot)
+      return o, jax.lax.bitcast_convert_type(words, jnp.float32).reshape(num_reqs, num_slots, *state.shape[1:])
+
+    args = (q, kk, v, g, beta, rec, req_recurrent, slot)
+    o, rec_slots = _per_device(attn, to_slots, args, in_axes=(1,) * 6 + (None, None), out_axes=(1, 2))
   if chunk is not None:
     o = jnp.where(chunked[:, None, None], o_c, o)
     # A request whose last token is chunkwise: its last slot gets the state at that chunk's start
     # (the recurrence left it empty) and the chunk's rows.
     ends_chunked = fresh & (last_pos < limit)
-    last = rec_slots[:, -1]
-    rec_slots = rec_slots.at[:, -1].set(jnp.where(ends_chunked[:, None, None, None], rec, last))
   y = attn.output(o, x)
   # Write back the slots this step produced; chunk rows only where a step ends inside a chunk
   # (every other page's rows are never read again).
   dest = jnp.where(written, table, arr.shape[0]).reshape(-1)
-  arr = on_pages(page.write, (arr, dest, conv_slots.astype(sdt), rec_slots), (1, None, 4, 2), (1,))
+  if in_place:
+    arr = on_pages(page.write, (arr, dest, conv_slots.astype(sdt)), (1, None, 4), (1,))
+    if chunk is not None:
+      last = jnp.where(ends_chunked, table[:, -1], arr.shape[0])
+      arr = on_pages(page.write_state, (arr, last, rec), (1, None, 1), (1,))
+  else:
+    if chunk is not None:
+      rec_slots = rec_slots.at[:, -1].set(jnp.where(ends_chunked[:, None, None, None], rec, rec_slots[:, -1]))
+    arr = on_pages(page.write, (arr, dest, conv_slots.astype(sdt), rec_slots), (1, None, 4, 2), (1,))
   if chunk is not None:
     dest = jnp.where(ends_chunked, table[:, -1], arr.shape[0])
     arr = on_pages(page.write_prefix, (arr, dest, *prefix), (1, None) + (2,) * len(prefix), (1,))
@@ -269,6 +290,11 @@ class _StatePage:
     return self.conv_rows * 3 * self.heads * self.head_dim * self.state_dtype.itemsize // 4
 
   @property
+  def state_word(self) -> int:
+    """The state's first 32-bit word in a page row (after the conv windows)."""
+    return self.view.offset_bytes // 4 + self._conv_words
+
+  @property
   def _prefix_shapes(self) -> tuple[tuple[int, ...], ...]:
     if self.chunk is None:
       return ()
@@ -288,21 +314,35 @@ class _StatePage:
       at += n
     return tuple(out)
 
-  def write(self, arr, dest, conv_slots, rec_slots):
+  def write(self, arr, dest, conv_slots, rec_slots=None):
     """``arr`` with slots ``[R, S, kw-1, 3, C]`` / ``[R, S, H, K, K]`` written to blocks ``dest [R * S]``
-    (out of range: not written)."""
-    num_reqs, num_slots = rec_slots.shape[:2]
-    parts = [conv_slots[..., i, :] for i in range(3)] + [rec_slots]  # q, k, v windows, then the state
+    (out of range: not written); without ``rec_slots``, the conv windows only."""
+    num_reqs, num_slots = conv_slots.shape[:2]
+    parts = [conv_slots[..., i, :] for i in range(3)] + ([] if rec_slots is None else [rec_slots])
     new = jnp.concatenate([_to_words(p).reshape(num_reqs, num_slots, -1) for p in parts], axis=2)
-    words = _write_rows(_as_words(arr), dest, self.view.offset_bytes // 4, new.reshape(num_reqs * num_slots, -1))
+    words = write_rows(_as_words(arr), dest, self.view.offset_bytes // 4, new.reshape(num_reqs * num_slots, -1))
     return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(arr.shape)
+
+  def write_state(self, arr, dest, state):
+    """``arr`` with the states ``[R, H, K, K]`` written to blocks ``dest [R]`` (out of range: not
+    written)."""
+    new = _to_words(state).reshape(state.shape[0], -1)
+    return jax.lax.bitcast_convert_type(write_rows(_as_words(arr), dest, self.state_word, new), jnp.uint8).reshape(
+      arr.shape
+    )
 
   def write_prefix(self, arr, dest, *prefix):
     """``arr`` with the prefix's four arrays ``[R, chunk, H, ...]`` written after the state of
     blocks ``dest [R]`` (out of range: not written)."""
     new = jnp.concatenate([_to_words(p).reshape(p.shape[0], -1) for p in prefix], axis=1)
-    offset = self.view.offset_bytes // 4 + self._conv_words + self.heads * self.head_dim**2
-    return jax.lax.bitcast_convert_type(_write_rows(_as_words(arr), dest, offset, new), jnp.uint8).reshape(arr.shape)
+    offset = self.state_word + self.heads * self.head_dim**2
+    return jax.lax.bitcast_convert_type(write_rows(_as_words(arr), dest, offset, new), jnp.uint8).reshape(arr.shape)
+
+  def recurrence(self, kda, q, k, v, g, beta, state, arr, dest, req_indices, slot):
+    """``fused_recurrent_kda`` writing the saved states straight into their pages of ``arr``:
+    ``(o, arr)``."""
+    o, words = kda(q, k, v, g, beta, state, _as_words(arr), dest, req_indices, slot, offset=self.state_word)
+    return o, jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(arr.shape)
 
 
 def _as_words(arr):
@@ -324,15 +364,6 @@ def _to_words(x):
 def _read_rows(words, rows, offset, n):
   """``words[rows[i], offset:offset + n]`` for each i: one contiguous slice per row."""
   return jax.vmap(lambda r: jax.lax.dynamic_slice(words, (r, offset), (1, n))[0])(rows)
-
-
-def _write_rows(words, rows, offset, values):
-  """``words[rows[i], offset:offset + n] = values[i]``; rows out of range write nothing."""
-  idx = jnp.stack([rows, jnp.full_like(rows, offset)], axis=1)
-  dnums = jax.lax.ScatterDimensionNumbers(
-    update_window_dims=(1,), inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0, 1)
-  )
-  return jax.lax.scatter(words, idx, values, dnums, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
 def _dsa_step(
