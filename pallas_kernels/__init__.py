@@ -4,7 +4,7 @@ Every public entry point takes ``implementation="pallas"`` (the kernel; interpre
 or ``"xla"`` (the reference). Measured numbers: ``docs/kernels.md``.
 """
 
-from pallas_kernels._common import device_shared_memory_bytes, resolve_implementation, write_rows
+from pallas_kernels._common import device_shared_memory_bytes, read_rows, resolve_implementation, write_rows
 from pallas_kernels.cache_write import (
   decode_entries,
   encode_entries,
@@ -55,6 +55,7 @@ __all__ = [
   # What "auto" means on this device, and the device's shared memory (kernel tiles).
   "resolve_implementation",
   "device_shared_memory_bytes",
-  # Rows of a page array written in place (the KDA kernel's reference and the KDA pages).
+  # Rows of a page array read, and written in place (the KDA kernel's reference and the KDA pages).
+  "read_rows",
   "write_rows",
 ]

@@ -227,6 +227,12 @@ def pow2_chunks(n: int) -> list[tuple[int, int]]:
   return out
 
 
+def read_rows(words: jax.Array, rows: jax.Array, offset: int, n: int) -> jax.Array:
+  """``words[rows[i], offset:offset + n]`` for each i, ``[len(rows), n]``: one contiguous slice per
+  row (``rows`` in range)."""
+  return jax.vmap(lambda r: jax.lax.dynamic_slice(words, (r, offset), (1, n))[0])(rows)
+
+
 def write_rows(words: jax.Array, rows: jax.Array, offset: int, values: jax.Array) -> jax.Array:
   """``words[rows[i], offset:offset + n] = values[i]`` for ``values [len(rows), n]``; a row out of
   range writes nothing (one windowed scatter: no index per element)."""

@@ -5,12 +5,14 @@ out) and head ``h``, from ``s = state[r, h]`` (``[K, V]`` float32), token by tok
 
     s <- diag(exp(g_t)) s;   u = beta_t (v_t - s^T k_t);   s <- s + k_t u^T;   o_t = s^T q_t
 
-and the state after token ``t`` is saved when ``0 <= slot[t] < S`` (``S`` state slots per request:
+(or, given ``src``, from the state in page row ``src[r]``: zeros when out of range), and the
+state after token ``t`` is saved when ``0 <= slot[t] < S`` (``S`` state slots per request:
 the last ``S`` tokens' states, for speculative rollback) to the page of that slot,
 ``pages[dest[r, slot[t]]]``, as float32 bits at word ``offset`` of the row. ``pages`` is the
-cache's own backing array seen as 32-bit words: the kernel writes the states where they live, so a
-step moves each state once in and once out, the traffic the decode roofline counts (a states
-buffer scattered into the pages afterwards moved it three more times: docs/performance.md).
+cache's own backing array seen as 32-bit words: the kernel reads and writes the states where they
+live, so a step moves each state once in and once out, the traffic the decode roofline counts (a
+states buffer gathered from the pages and scattered back moved it four more times:
+docs/performance.md).
 
 Why a kernel: one program per (request, head, block of V) runs its request's tokens in order with
 the same code whatever else is in the batch, so a token's output and states are bitwise the same
@@ -33,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int, UInt32
 
-from pallas_kernels._common import default_interpret, resolve_implementation, write_rows
+from pallas_kernels._common import default_interpret, read_rows, resolve_implementation, write_rows
 
 __all__ = [
   "fused_recurrent_kda",
@@ -54,7 +56,7 @@ def _kda_kernel(
   v_ref,
   g_ref,
   beta_ref,
-  state_ref,
+  init_ref,
   pages_in_ref,
   o_ref,
   pages_ref,
@@ -62,15 +64,16 @@ def _kda_kernel(
   block_v,
   num_slots,
   offset,
+  from_pages,
 ):
   # start_ref / len_ref: [R] first flat token and token count of each request; slot_ref: [T];
   # dest_ref: [R, S] page of each slot; q/k/g: [T, H, K], v: [T, H, V], beta: [T, H];
-  # state_ref: [R, H, K, V]; o_ref: [T, H, V]; pages_ref: uint32 [N, W] (aliases pages_in_ref).
-  del pages_in_ref
+  # init_ref: the states [R, H, K, V], or (from_pages) [R] the page row of each request's;
+  # o_ref: [T, H, V]; pages_ref: uint32 [N, W] (aliases pages_in_ref).
   r, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   cols = pl.ds(vb * block_v, block_v)
   start, end = start_ref[r], start_ref[r] + len_ref[r]
-  kd, vd = state_ref.shape[2:]
+  kd, vd = q_ref.shape[2], v_ref.shape[2]
   # This program's [K, block_v] tile of the state in a page row: [H, K, V] from word ``offset``.
   words = (
     offset
@@ -103,7 +106,15 @@ def _kda_kernel(
 
   @pl.when(end > start)
   def _():
-    jax.lax.fori_loop(start, end, body, (state_ref[r, h, :, cols], load(start)))
+    if from_pages:
+      # Read before any write of this tile: only this program reads or writes it.
+      row = init_ref[r]
+      found = (row >= 0) & (row < pages_ref.shape[0])
+      tile = pages_in_ref[jnp.clip(row, 0, pages_ref.shape[0] - 1), words]
+      s = jnp.where(found, jax.lax.bitcast_convert_type(tile, jnp.float32), 0.0)
+    else:
+      s = init_ref[r, h, :, cols]
+    jax.lax.fori_loop(start, end, body, (s, load(start)))
 
 
 def request_spans(req_indices, num_reqs: int):
@@ -135,7 +146,15 @@ def check_delta_rule_inputs(q, k, v, g, beta, state, *float32_arrays, **index_ar
     raise ValueError("q, k, v, g, beta and the states must be float32 (the recurrence runs in float32).")
 
 
-def _validate(q, k, v, g, beta, state, pages, dest, req_indices, slot, offset):
+def _validate(q, k, v, g, beta, state, pages, dest, req_indices, slot, offset, src):
+  if (state is None) == (src is None):
+    raise ValueError(
+      "Give the starting states either as state [R, H, K, V] or as src [R] (their page rows), not both or neither."
+    )
+  if state is None:
+    if src.ndim != 1 or src.dtype != jnp.int32:
+      raise ValueError(f"src must be int32 [R] (each request's page row), got {src.dtype}{list(src.shape)}.")
+    state = jax.ShapeDtypeStruct((src.shape[0], *q.shape[1:], v.shape[-1]), jnp.float32)
   check_delta_rule_inputs(q, k, v, g, beta, state, req_indices=req_indices, slot=slot)
   r, h, kd, vd = state.shape
   if pages.ndim != 2 or pages.dtype != jnp.uint32:
@@ -160,12 +179,13 @@ def fused_recurrent_kda(
   v: Float[Array, "T H V"],
   g: Float[Array, "T H K"],
   beta: Float[Array, "T H"],
-  state: Float[Array, "R H K V"],
+  state: Float[Array, "R H K V"] | None,
   pages: UInt32[Array, "N W"],
   dest: Int[Array, "R S"],
   req_indices: Int[Array, " T"],
   slot: Int[Array, " T"],
   *,
+  src: Int[Array, " R"] | None = None,
   offset: int = 0,
   block_v: int = 32,
   num_warps: int = 4,
@@ -177,7 +197,7 @@ def fused_recurrent_kda(
   Args:
     q, k, g: float32 ``[T, H, K]`` (normed query and key, log-decay); v: ``[T, H, V]``;
       beta: ``[T, H]`` write strength.
-    state: float32 ``[R, H, K, V]`` the state each request starts from.
+    state: float32 ``[R, H, K, V]`` the state each request starts from; None with ``src``.
     pages: uint32 ``[N, W]`` (donated): the state after token ``t`` of request ``r`` goes, as
       float32 bits in ``[H, K, V]`` order, to words ``[offset, offset + H*K*V)`` of row
       ``dest[r, slot[t]]``; every other word keeps its value.
@@ -186,25 +206,30 @@ def fused_recurrent_kda(
     req_indices: int32 ``[T]`` request of each token, -1 for padding; a request's tokens are
       contiguous and in order (``StepInputs``).
     slot: int32 ``[T]`` state slot of each token; outside ``[0, S)``: not saved.
+    src: int32 ``[R]`` instead of ``state``: each request starts from the state at ``offset`` of
+      page row ``src[r]`` (out of ``[0, N)``: zeros), read by the kernel. No request's ``dest``
+      may name another's ``src`` row: on a GPU that read would race with the write.
     offset: the state's first word in a page row (static).
     block_v, num_warps: the kernel's tile of V and Triton's warps.
     implementation: ``"pallas"``, ``"xla"`` or ``"auto"`` (``resolve_implementation``).
   Returns:
     ``o`` float32 ``[T, H, V]`` (zero for padding tokens) and the updated ``pages``.
   """
-  _validate(q, k, v, g, beta, state, pages, dest, req_indices, slot, offset)
+  _validate(q, k, v, g, beta, state, pages, dest, req_indices, slot, offset, src)
   if resolve_implementation(implementation) == "xla":
-    return fused_recurrent_kda_reference(q, k, v, g, beta, state, pages, dest, req_indices, slot, offset=offset)
+    return fused_recurrent_kda_reference(
+      q, k, v, g, beta, state, pages, dest, req_indices, slot, src=src, offset=offset
+    )
   t, h, _ = q.shape
   r, num_slots = dest.shape
-  vd = state.shape[-1]
+  vd = v.shape[-1]
   bv = min(block_v, vd)
   if vd % bv or bv & (bv - 1):
     raise ValueError(f"block_v must be a power of two dividing V = {vd}, got {bv}.")
   start, count = request_spans(req_indices, r)
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   o, pages = pl.pallas_call(
-    functools.partial(_kda_kernel, block_v=bv, num_slots=num_slots, offset=offset),
+    functools.partial(_kda_kernel, block_v=bv, num_slots=num_slots, offset=offset, from_pages=state is None),
     out_shape=(jax.ShapeDtypeStruct((t, h, vd), jnp.float32), jax.ShapeDtypeStruct(pages.shape, pages.dtype)),
     grid=(r, h, vd // bv),
     in_specs=[any_spec] * 11,
@@ -213,15 +238,20 @@ def fused_recurrent_kda(
     interpret=default_interpret(interpret),
     compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
     name="fused_recurrent_kda",
-  )(start, count, slot, dest, q, k, v, g, beta, state, pages)
+  )(start, count, slot, dest, q, k, v, g, beta, src if state is None else state, pages)
   # Padding tokens belong to no program: their rows were never written.
   return jnp.where((req_indices >= 0)[:, None, None], o, 0.0), pages
 
 
-def fused_recurrent_kda_reference(q, k, v, g, beta, state, pages, dest, req_indices, slot, *, offset=0):
+def fused_recurrent_kda_reference(q, k, v, g, beta, state, pages, dest, req_indices, slot, *, src=None, offset=0):
   """Plain jnp, same arguments: a scan over the flat tokens, each on its own request's state, then
   the saved states written to their pages."""
   r, num_slots = dest.shape
+  if state is None:
+    n, size = pages.shape[0], q.shape[1] * q.shape[2] * v.shape[2]
+    words = read_rows(pages, jnp.clip(src, 0, n - 1), offset, size)
+    found = ((src >= 0) & (src < n))[:, None]
+    state = jnp.where(found, jax.lax.bitcast_convert_type(words, jnp.float32), 0.0).reshape(r, *q.shape[1:], -1)
   dst = jnp.where(req_indices >= 0, req_indices, r)  # padding: out of range, dropped
   sl = jnp.where((slot >= 0) & (slot < num_slots), slot, num_slots)
 

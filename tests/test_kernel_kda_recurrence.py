@@ -73,9 +73,26 @@ def saved_states(pages, dest, offset):
   return out
 
 
+def states_in_pages(rng, args, pages, dest, offset=5):
+  """``args`` and ``pages`` with the starting states moved into the pages, and their rows ``src
+  [R]``: a request's own first slot (read and written by the same call), a free row, -1 and ``N``
+  (those two start from zeros, which ``args["state"]`` then holds)."""
+  r, n = dest.shape[0], pages.shape[0]
+  free = np.setdiff1d(np.arange(n), dest)
+  src = np.where(rng.random(r) < 0.5, dest[:, 0], rng.choice(free, r, replace=False)).astype(np.int32)
+  src[rng.permutation(r)[:2]] = (-1, n) if r > 2 else (-1, -1)[:r]
+  state, pages = args["state"].copy(), pages.copy()
+  for i, row in enumerate(src):
+    if 0 <= row < n:
+      pages[row, offset : offset + H * K * V] = state[i].reshape(-1).view(np.uint32)
+    else:
+      state[i] = 0.0
+  return {**args, "state": state}, pages, src
+
+
 def call(args, pages, dest, req, slot, impl, offset=5, **kw):
   o, new = fused_recurrent_kda(
-    **{k: jnp.asarray(a) for k, a in args.items()},
+    **{k: a if a is None else jnp.asarray(a) for k, a in args.items()},
     pages=jnp.asarray(pages),
     dest=jnp.asarray(dest),
     req_indices=jnp.asarray(req),
@@ -87,13 +104,18 @@ def call(args, pages, dest, req, slot, impl, offset=5, **kw):
   return np.asarray(o), np.asarray(new)
 
 
+@pytest.mark.parametrize("from_pages", [False, True])
 @pytest.mark.parametrize("lengths,num_slots", [((5, 1, 9, 3), 1), ((1, 1, 1), 1), ((6, 2, 4), 3), ((17,), 2)])
-def test_kernel_matches_reference_and_oracle(lengths, num_slots):
+def test_kernel_matches_reference_and_oracle(lengths, num_slots, from_pages):
   rng = np.random.default_rng(sum(lengths) * 31 + num_slots)
   args, req, slot, r = random_step(rng, lengths, 24, num_slots)
   pages, dest = random_pages(rng, r, req, num_slots)
-  o_k, pages_k = call(args, pages, dest, req, slot, "pallas", block_v=16)
-  o_r, pages_r = call(args, pages, dest, req, slot, "xla")
+  start = {}
+  if from_pages:  # the kernel reads the states from the pages: args["state"] is the oracle's
+    args, pages, src = states_in_pages(rng, args, pages, dest)
+    start = dict(state=None, src=jnp.asarray(src))
+  o_k, pages_k = call({**args, **start}, pages, dest, req, slot, "pallas", block_v=16)
+  o_r, pages_r = call({**args, **start}, pages, dest, req, slot, "xla")
   o_n, saved = oracle(**args, req=req, slot=slot, num_slots=num_slots)
   np.testing.assert_allclose(o_k, o_n, atol=2e-5)
   np.testing.assert_allclose(o_r, o_n, atol=2e-5)
@@ -149,3 +171,7 @@ def test_bad_arguments_name_the_shapes():
     call(args, pages, dest[:1], req, slot, "xla")
   with pytest.raises(ValueError, match="offset must place a state of H \\* K \\* V = 1024 words inside a page of W"):
     call(args, pages, dest, req, slot, "xla", offset=9)
+  with pytest.raises(ValueError, match="either as state"):
+    call({**args, "src": np.zeros(r, np.int32)}, pages, dest, req, slot, "xla")
+  with pytest.raises(ValueError, match=r"src must be int32 \[R\]"):
+    call({**args, "state": None, "src": np.zeros((r, 1), np.int32)}, pages, dest, req, slot, "xla")

@@ -37,7 +37,7 @@ from jaxkv.step.step_inputs import StepInputs
 from models.glm5_next.config import Glm5NextConfig
 from models.glm5_next.model import Glm5NextForCausalLM, KimiDeltaAttention
 from pallas_kernels.cache_write import encode_entries, write_to_paged_cache
-from pallas_kernels import resolve_implementation, write_rows
+from pallas_kernels import read_rows, resolve_implementation, write_rows
 from pallas_kernels.kda_chunk import ChunkPrefix, chunk_kda
 from pallas_kernels.kda_recurrence import fused_recurrent_kda
 from pallas_kernels.kpool import kpool_compress_and_write
@@ -172,8 +172,14 @@ def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, layout: Pag
     attn.head_sharding.map(fn, args, in_axes, out_axes) if shards > 1 else fn(*args)
   )
   rows = jnp.take_along_axis(table, inputs.state_slots[:, None], axis=1)[:, 0]
-  prefix_axes = (2,) * len(page._prefix_shapes)
-  conv, rec, *prefix = on_pages(page.read, (arr, rows), (1, None), (3, 1) + prefix_axes)
+  # The kernel writes the states into their pages where its heads and the page's split agree (one
+  # device, or pages split by head); a page whole on every device under a head-split recurrence
+  # (packed, on a mesh) gets the states gathered from the devices and written by XLA. It reads
+  # them from the pages too unless they come from elsewhere (that case, or chunk_kda's).
+  in_place = attn.head_sharding is None or shards > 1
+  read_states = chunk is not None or not in_place
+  state_axes = (1,) + (2,) * len(page._prefix_shapes) if read_states else ()
+  conv, *states = on_pages(functools.partial(page.read, states=read_states), (arr, rows), (1, None), (3, *state_axes))
   # Requests with tokens in this step; one whose first token is position 0 starts from zero state
   # (its block may be recycled and hold another request's bytes).
   req, pos = inputs.req_indices, inputs.positions
@@ -184,7 +190,9 @@ def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, layout: Pag
   last_pos = jnp.full((num_reqs,), -1, jnp.int32).at[seen].max(pos, mode="drop")
   starts_at_zero = fresh & (first_pos == 0)
   conv = jnp.where(starts_at_zero[:, None, None, None], 0, conv).astype(x.dtype)
-  rec = jnp.where(starts_at_zero[:, None, None, None], 0.0, rec)
+  if read_states:
+    rec, *prefix = states
+    rec = jnp.where(starts_at_zero[:, None, None, None], 0.0, rec)
   # Slot of each token's resulting state; out of range (dropped) for the earlier tokens of a chunk.
   slot = (num_slots - 1) - (last_pos[ri] - pos)
   slot = jnp.where((req >= 0) & (slot >= 0), slot, num_slots)
@@ -221,13 +229,10 @@ def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, layout: Pag
   kda = functools.partial(
     fused_recurrent_kda, implementation=kernel_implementation("fused_recurrent_kda", implementation)
   )
-  # The kernel writes the states into their pages where its heads and the page's split agree (one
-  # device, or pages split by head); a page whole on every device under a head-split recurrence
-  # (packed, on a mesh) gets the states gathered from the devices and written by XLA.
-  in_place = attn.head_sharding is None or shards > 1
   if in_place:
-    args = (q, kk, v, g, beta, rec, arr, table, req_recurrent, slot)
-    o, arr = on_pages(functools.partial(page.recurrence, kda), args, (1,) * 7 + (None,) * 3, (1, 1))
+    start, start_axis = (rec, 1) if read_states else (jnp.where(starts_at_zero, -1, rows), None)
+    args = (q, kk, v, g, beta, start, arr, table, req_recurrent, slot)
+    o, arr = on_pages(functools.partial(page.recurrence, kda), args, (1,) * 5 + (start_axis, 1) + (None,) * 3, (1, 1))
   else:
 
     def to_slots(q, k, v, g, beta, state, req_indices, slot):
@@ -301,15 +306,16 @@ class _StatePage:
     h, d = self.heads, self.head_dim
     return ((self.chunk, h, d),) * 3 + ((self.chunk, h),)
 
-  def read(self, arr, rows):
-    """Conv windows ``[R, kw-1, 3, C]``, states ``[R, H, K, K]`` and (chunked) the prefix's four
-    arrays ``[R, chunk, H, ...]`` of blocks ``rows``."""
+  def read(self, arr, rows, states=True):
+    """Conv windows ``[R, kw-1, 3, C]`` of blocks ``rows``, then (``states``) their states
+    ``[R, H, K, K]`` and (chunked) the prefix's four arrays ``[R, chunk, H, ...]``."""
     n_conv, c = self._conv_words, self.heads * self.head_dim
-    sizes = [self.heads * self.head_dim**2] + [math.prod(s) for s in self._prefix_shapes]
-    raw = _read_rows(_as_words(arr), rows, self.view.offset_bytes // 4, n_conv + sum(sizes))
+    shapes = ((self.heads, self.head_dim, self.head_dim),) + self._prefix_shapes if states else ()
+    sizes = [math.prod(s) for s in shapes]
+    raw = read_rows(_as_words(arr), rows, self.view.offset_bytes // 4, n_conv + sum(sizes))
     conv = _from_words(raw[:, :n_conv], self.state_dtype).reshape(-1, 3, self.conv_rows, c).transpose(0, 2, 1, 3)
     out, at = [conv], n_conv
-    for shape, n in zip(((self.heads, self.head_dim, self.head_dim),) + self._prefix_shapes, sizes):
+    for shape, n in zip(shapes, sizes):
       out.append(jax.lax.bitcast_convert_type(raw[:, at : at + n], jnp.float32).reshape(-1, *shape))
       at += n
     return tuple(out)
@@ -338,10 +344,12 @@ class _StatePage:
     offset = self.state_word + self.heads * self.head_dim**2
     return jax.lax.bitcast_convert_type(write_rows(_as_words(arr), dest, offset, new), jnp.uint8).reshape(arr.shape)
 
-  def recurrence(self, kda, q, k, v, g, beta, state, arr, dest, req_indices, slot):
+  def recurrence(self, kda, q, k, v, g, beta, start, arr, dest, req_indices, slot):
     """``fused_recurrent_kda`` writing the saved states straight into their pages of ``arr``:
-    ``(o, arr)``."""
-    o, words = kda(q, k, v, g, beta, state, _as_words(arr), dest, req_indices, slot, offset=self.state_word)
+    ``(o, arr)``. ``start``: the states to start from (float32 ``[R, H, K, K]``) or the blocks
+    holding them (int32 ``[R]``, -1: zeros), which the kernel reads itself."""
+    state, src = (None, start) if start.dtype == jnp.int32 else (start, None)
+    o, words = kda(q, k, v, g, beta, state, _as_words(arr), dest, req_indices, slot, src=src, offset=self.state_word)
     return o, jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(arr.shape)
 
 
@@ -359,11 +367,6 @@ def _to_words(x):
   """Values ``[..., n]`` (n * itemsize a multiple of 4) as uint32 words, the inverse of ``_from_words``."""
   per = 4 // x.dtype.itemsize
   return jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], -1, per) if per > 1 else x, jnp.uint32)
-
-
-def _read_rows(words, rows, offset, n):
-  """``words[rows[i], offset:offset + n]`` for each i: one contiguous slice per row."""
-  return jax.vmap(lambda r: jax.lax.dynamic_slice(words, (r, offset), (1, n))[0])(rows)
 
 
 def _dsa_step(
