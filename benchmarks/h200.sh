@@ -14,7 +14,8 @@
 # MATRIX_S / SUITE_S / SWEEP_S / PERF_S: the parts' time limits in seconds (SUITE_S=0: ab skips
 # the suites); CALL_S: the whole call's (580: a part is cut to what is left, and skipped under
 # 20 s, so the archive is always written); SUITE_N: the suites' pytest workers (4; the ab mode runs
-# them alone: 8); PERF_BATCHES: ab's batches (1,32). tokamax (the MoE's kernel) and its dependencies
+# them alone: 8); PERF_BATCHES: ab's batches (1,32); ROUNDS: ab's interleaved rounds (2; a batch-32
+# run takes about 125 s, so one round is what fits beside the suites in a 600 s call). tokamax (the MoE's kernel) and its dependencies
 # come as wheels in .wheels/ (docs/performance.md, "Reproduce"), installed to /tmp/tk when present:
 # the device cannot reach an index.
 set -u
@@ -75,7 +76,7 @@ case $mode in
       (cd "$other" && export PYTHONPATH="$other:/tmp/tk" && run "${SUITE_S:-300}" ab-suites.txt python -m pytest \
         -q -n "${SUITE_N:-8}" -p no:benchmark -W ignore $SUITES)
     fi
-    for i in 1 2; do
+    for i in $(seq "${ROUNDS:-2}"); do
       for tree in this other; do
         dir=$([ $tree = this ] && echo "$here" || echo "$other")
         # Each tree's executables cached on disk, so the second round can skip XLA's compile (66-73 s
