@@ -245,7 +245,9 @@ def main() -> int:
   p.add_argument("--steps", type=int, default=32)
   p.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens (prefill chunk)")
   p.add_argument("--implementation", default="auto", choices=("auto", "xla", "pallas"))
-  p.add_argument("--profile", default=None, help="trace each batch's decode steps into DIR/bB")
+  p.add_argument(
+    "--profile", default=None, help="trace each batch's decode steps into DIR/bB (the step's HLO into DIR/hlo)"
+  )
   p.add_argument(
     "--metadata-implementations",
     default="auto",
@@ -277,6 +279,11 @@ def main() -> int:
 
   import jax
 
+  from jaxkv.profiling import enable_hlo_dump
+
+  hlo_dir = f"{args.profile}/hlo" if args.profile else None
+  if hlo_dir:  # each model part's kernels in the profile (before anything starts JAX's backend)
+    enable_hlo_dump(hlo_dir)
   if args.explain_cache_misses:  # a compilation after warm-up says why
     jax.config.update("jax_explain_cache_misses", True)
   from jaxkv.engine import EngineConfig, LLMEngine, get_model_family
@@ -332,6 +339,7 @@ def main() -> int:
           steps=args.steps,
           new_tokens=new_tokens,
           profile_dir=f"{args.profile}/b{batch}-{meta}-{linear_prefill}" if args.profile else None,
+          hlo_dir=hlo_dir,
         )
         del engine
         uniform = expected_distinct_experts(config.n_routed_experts, config.num_experts_per_tok, batch)

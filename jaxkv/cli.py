@@ -562,7 +562,11 @@ def cmd_bench(args) -> int:
   import numpy as np
 
   from jaxkv.engine.benchmark import benchmark_decode, decode_new_tokens
+  from jaxkv.profiling import enable_hlo_dump
 
+  hlo_dir = f"{args.profile}/hlo" if args.profile else None
+  if hlo_dir:
+    enable_hlo_dump(hlo_dir)  # before anything starts JAX's backend
   family, config = _model_config(args)
   if args.batch > args.max_num_reqs:
     raise ValueError(
@@ -590,7 +594,13 @@ def cmd_bench(args) -> int:
   result = {
     "config": "checkpoint" if args.model_path else args.config,
     **benchmark_decode(
-      engine, prompts, steps=args.steps, new_tokens=new_tokens, profile_dir=args.profile, profile_steps=profile_steps
+      engine,
+      prompts,
+      steps=args.steps,
+      new_tokens=new_tokens,
+      profile_dir=args.profile,
+      profile_steps=profile_steps,
+      hlo_dir=hlo_dir,
     ),
     "implementation": engine.runner.implementation,
     "layout": args.layout,
@@ -616,6 +626,9 @@ def cmd_bench(args) -> int:
       )
       for k in p["top"]:
         print(f"  {k['ms_per_step']:9.3f} ms {k['share']:6.1%} x{k['calls_per_step']:<5.0f} {k['name']}")
+      print("  by model part (jax.named_scope):")
+      for k in p["by_scope"]:
+        print(f"  {k['ms_per_step']:9.3f} ms {k['share']:6.1%} {k['kernels_per_step']:6.1f} kernels  {k['scope']}")
       print("  the device waited (per step) between:")
       for g in p["idle_gaps"][:5]:
         print(f"  {g['ms_per_step']:9.3f} ms x{g['gaps_per_step']:<5.1f} {g['after']} -> {g['before']}")
@@ -914,7 +927,8 @@ def build_parser() -> argparse.ArgumentParser:
     "--profile",
     metavar="DIR",
     default=None,
-    help="after the timed steps, trace 8 more with jax.profiler into DIR and print the heaviest kernels",
+    help="after the timed steps, trace 8 more with jax.profiler into DIR and print the heaviest kernels "
+    "and each model part's kernels (the step's optimized HLO is dumped into DIR/hlo)",
   )
   b.set_defaults(func=cmd_bench)
 

@@ -6,6 +6,14 @@ of the device process (``/device:GPU:0``; on the CPU, the XLA executor threads) 
 with durations in microseconds; the span they cover minus their union is the time the device
 waited for the host; ``idle_gaps`` says between which kernels it waited (at a step's boundary,
 or inside a step where the host launches kernels slower than the device runs them).
+
+Where the kernels come from: ``enable_hlo_dump(dir)`` (before JAX starts its backends) has XLA
+write the step's optimized HLO, whose ``op_name`` metadata carries the ``jax.named_scope`` of each
+op (the model tags ``mhc``, ``kda``, ``dsa``, ``moe``, ``mlp``, ``lm_head``, ``sampler``,
+``step_metadata``, ...); ``summarize_trace(..., hlo_dir=dir)`` then counts the kernels and time of
+each scope (``by_scope``). A kernel is matched by its name (XLA names a fusion's kernel after the
+fusion) or the trace's ``hlo_op``; library kernels inside a command buffer (cuBLAS) match neither and
+count as ``(unattributed)``.
 """
 
 from __future__ import annotations
@@ -13,9 +21,82 @@ from __future__ import annotations
 import collections
 import gzip
 import json
+import os
 import pathlib
+import re
 
-__all__ = ["summarize_trace"]
+__all__ = ["enable_hlo_dump", "kernel_scopes", "summarize_trace"]
+
+# The jitted step's HLO module (``jit(_device_step)``): the only one dumped.
+_STEP_MODULE_RE = ".*_device_step.*"
+_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+) = ")
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+# Name-stack parts that are not scopes: transformations (``jit(f)``, ``vmap(f)``, loop bodies) and
+# the specs ``jnp.einsum`` names its ops with (``...i,oi->...o``).
+_TRANSFORMS = re.compile(r"\(|->|^(while|body|cond|branch_\d+_fun|closed_call|checkpoint|remat|pjit|shard_map)$")
+
+
+def enable_hlo_dump(directory: str | pathlib.Path) -> None:
+  """Has XLA write the step's optimized HLO under ``directory`` (for ``summarize_trace``'s
+  ``by_scope``). XLA reads its flags when JAX starts a backend, so call this before any JAX
+  computation.
+
+  Raises:
+    RuntimeError: a backend has started already (the dump would silently not happen).
+  """
+  from jax._src import xla_bridge
+
+  if xla_bridge.backends_are_initialized():
+    raise RuntimeError(
+      f"enable_hlo_dump({str(directory)!r}) must run before JAX starts a backend (XLA reads XLA_FLAGS "
+      "then); call it first, or set XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text yourself."
+    )
+  flags = f"--xla_dump_to={directory} --xla_dump_hlo_as_text --xla_dump_hlo_module_re={_STEP_MODULE_RE}"
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
+
+
+def _kernel_key(name: str) -> str:
+  return re.sub(r"[.\-]", "_", name)
+
+
+def _scope(op_name: str) -> str:
+  parts = [p for p in op_name.split("/")[:-1] if p and not _TRANSFORMS.search(p)]  # the last: the primitive
+  return "/".join(parts) or "(no scope)"
+
+
+def kernel_scopes(hlo_text: str) -> dict[str, str]:
+  """``{kernel name: named scope}`` for every instruction of an HLO module's text (names with ``.``
+  and ``-`` as ``_``, as XLA names kernels; the scope: the ``op_name``'s ``jax.named_scope``
+  parts, without transformations and the primitive). A fusion without metadata takes its fused
+  computation's root's."""
+  ops: dict[str, str | None] = {}
+  calls: dict[str, str] = {}
+  roots: dict[str, str] = {}
+  computation = None
+  for line in hlo_text.splitlines():
+    head = _COMPUTATION.match(line)
+    if head and " = " not in line:
+      computation = head.group(1)
+      continue
+    m = _INSTRUCTION.match(line)
+    if m is None:
+      continue
+    root, name = m.groups()
+    op_name, called = _OP_NAME.search(line), _CALLS.search(line)
+    ops[name] = op_name and op_name.group(1)
+    if called:
+      calls[name] = called.group(1)
+    if root and computation is not None:
+      roots[computation] = name
+  scopes = {}
+  for name, op_name in ops.items():
+    if op_name is None and name in calls:
+      op_name = ops.get(roots.get(calls[name], ""))
+    if op_name is not None:
+      scopes[_kernel_key(name)] = _scope(op_name)
+  return scopes
 
 
 def _device_events(trace: dict) -> list[dict]:
@@ -32,12 +113,16 @@ def _device_events(trace: dict) -> list[dict]:
   return [e for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in threads]
 
 
-def summarize_trace(trace_dir: str | pathlib.Path, num_steps: int, *, top: int = 12) -> dict:
+def summarize_trace(
+  trace_dir: str | pathlib.Path, num_steps: int, *, top: int = 12, hlo_dir: str | pathlib.Path | None = None
+) -> dict:
   """Per-step kernel time of the newest trace under ``trace_dir``.
 
   Returns ``{"device": "gpu" | "cpu", "kernels_per_step", "busy_ms_per_step", "span_ms_per_step",
   "idle_fraction", "top": [{"name", "ms_per_step", "calls_per_step", "share"}], "idle_gaps": [{"after",
   "before", "ms_per_step", "gaps_per_step"}]}`` (the device's waits, summed by the kernels around them).
+  With ``hlo_dir`` (``enable_hlo_dump``'s), also ``"by_scope": [{"scope", "kernels_per_step",
+  "ms_per_step", "share"}]``, from the dumped module that names the most of the trace's kernels.
   """
   files = sorted(pathlib.Path(trace_dir).rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
   if not files:
@@ -62,6 +147,7 @@ def summarize_trace(trace_dir: str | pathlib.Path, num_steps: int, *, top: int =
   span = intervals[-1][1] - intervals[0][0]
   total = sum(sum(d) for d in by_name.values())
   ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+  scoped = {} if hlo_dir is None else {"by_scope": _by_scope(events, hlo_dir, num_steps, total)}
   return {
     "device": "gpu" if _is_gpu(trace) else "cpu",
     "steps": num_steps,
@@ -82,7 +168,38 @@ def summarize_trace(trace_dir: str | pathlib.Path, num_steps: int, *, top: int =
       {"after": a, "before": b, "ms_per_step": sum(d) / 1e3 / num_steps, "gaps_per_step": len(d) / num_steps}
       for (a, b), d in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:top]
     ],
+    **scoped,
   }
+
+
+def _by_scope(events: list[dict], hlo_dir: str | pathlib.Path, num_steps: int, total: float) -> list[dict]:
+  files = [f for f in pathlib.Path(hlo_dir).rglob("*after_optimizations.txt")]
+  if not files:
+    raise RuntimeError(
+      f"no *after_optimizations.txt under {hlo_dir}: was enable_hlo_dump({str(hlo_dir)!r}) called first?"
+    )
+
+  def keys(e):
+    return [_kernel_key(e.get("name", "?")), _kernel_key(str(e.get("args", {}).get("hlo_op", "")))]
+
+  def named(scopes):
+    return sum(any(k in scopes for k in keys(e)) for e in events)
+
+  # Each token bucket compiles a module of the same name: the one that names the most kernels ran.
+  scopes = max((kernel_scopes(f.read_text()) for f in files), key=named)
+  acc: dict[str, list[float]] = collections.defaultdict(list)
+  for e in events:
+    scope = next((scopes[k] for k in keys(e) if k in scopes), "(unattributed)")
+    acc[scope].append(float(e.get("dur", 0.0)))
+  return [
+    {
+      "scope": scope,
+      "kernels_per_step": len(d) / num_steps,
+      "ms_per_step": sum(d) / 1e3 / num_steps,
+      "share": sum(d) / total if total else 0.0,
+    }
+    for scope, d in sorted(acc.items(), key=lambda kv: -sum(kv[1]))
+  ]
 
 
 def _is_gpu(trace: dict) -> bool:

@@ -1,20 +1,26 @@
-"""``summarize_trace`` on a hand-made Perfetto trace: busy time, idle time and where the device waited."""
+"""``summarize_trace`` on a hand-made Perfetto trace: busy time, idle time and where the device
+waited; each model part's kernels from a real optimized HLO module with named scopes."""
 
 import gzip
 import json
 
+import jax
+import jax.numpy as jnp
 import pytest
 
-from jaxkv.profiling import summarize_trace
+from jaxkv.profiling import enable_hlo_dump, kernel_scopes, summarize_trace
 
 
-def _write(tmp_path, kernels):
+def _write(tmp_path, kernels, hlo_ops=None):
   events = [
     {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
     {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
     {"ph": "X", "pid": 1, "tid": 1, "name": "host work", "ts": 0.0, "dur": 500.0},
   ]
-  events += [{"ph": "X", "pid": 7, "tid": 2, "name": n, "ts": ts, "dur": dur} for n, ts, dur in kernels]
+  events += [
+    {"ph": "X", "pid": 7, "tid": 2, "name": n, "ts": ts, "dur": dur, "args": {"hlo_op": (hlo_ops or {}).get(n, "")}}
+    for n, ts, dur in kernels
+  ]
   path = tmp_path / "run" / "host.trace.json.gz"
   path.parent.mkdir()
   with gzip.open(path, "wt") as f:
@@ -40,3 +46,84 @@ def test_busy_idle_and_gaps_per_step(tmp_path):
 def test_no_trace_is_a_clear_error(tmp_path):
   with pytest.raises(RuntimeError, match="no \\*.trace.json.gz"):
     summarize_trace(tmp_path, num_steps=1)
+
+
+def _scoped(x, w):
+  with jax.named_scope("mhc"):
+    c = jax.nn.softmax(x[:, :16].reshape(-1, 4, 4), axis=-1)
+    for _ in range(3):  # Sinkhorn-like: reductions that XLA keeps in fusions of their own
+      c = c / c.sum(-1, keepdims=True)
+      c = c / c.sum(-2, keepdims=True)
+  with jax.named_scope("moe"):
+    with jax.named_scope("experts"):
+      y = jnp.tanh(jnp.einsum("td,ed->te", x, w)).sum(0)
+  return y, c
+
+
+def _optimized_hlo():
+  x = jax.random.normal(jax.random.key(0), (64, 64))
+  return jax.jit(_scoped).lower(x, x).compile().as_text()
+
+
+def test_kernel_scopes_of_a_compiled_module():
+  scopes = kernel_scopes(_optimized_hlo())
+  fusions = {k: v for k, v in scopes.items() if "fusion" in k}
+  assert set(fusions.values()) <= {"mhc", "moe/experts"} and len(set(fusions.values())) == 2, fusions
+  assert sum(v == "mhc" for v in fusions.values()) >= 3  # the normalizations do not fuse into one
+  assert all("." not in k and "-" not in k for k in scopes)  # kernel names: XLA's, "_" for "." and "-"
+
+
+_HLO = """HloModule jit__device_step
+
+%fused_computation.3 (param_0: f32[4]) -> f32[4] {
+  %param_0 = f32[4]{0} parameter(0)
+  ROOT %exponential.1 = f32[4]{0} exponential(%param_0), metadata={op_name="jit(_device_step)/jit(main)/sampler/exp"}
+}
+
+ENTRY %main.9 (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0), metadata={op_name="x"}
+  %gemm-fusion.2 = f32[4]{0} fusion(%x), kind=kCustom, calls=%fused_computation.3, metadata={op_name="jit(_device_step)/jit(main)/while/body/vmap(layer)/kda/...i,oi->...o/dot_general"}
+  %loop_exponential_fusion = f32[4]{0} fusion(%gemm-fusion.2), kind=kLoop, calls=%fused_computation.3
+  ROOT %add.1 = f32[4]{0} add(%loop_exponential_fusion, %x), metadata={op_name="jit(_device_step)/jit(main)/add"}
+}
+"""
+
+
+def test_scopes_skip_transformations_and_einsum_specs():
+  scopes = kernel_scopes(_HLO)
+  assert scopes["gemm_fusion_2"] == "kda"  # "while", "body", "vmap(...)", the einsum spec and the primitive dropped
+  assert scopes["loop_exponential_fusion"] == "sampler"  # no metadata: its fused computation's root's
+  assert scopes["add_1"] == "(no scope)" and scopes["x"] == "(no scope)"
+
+
+def test_kernels_per_scope_from_the_best_matching_module(tmp_path):
+  hlo = _optimized_hlo()
+  scopes = kernel_scopes(hlo)
+  (tmp_path / "hlo" / "other").mkdir(parents=True)
+  (tmp_path / "hlo" / "module_1.jit__device_step.cpu_after_optimizations.txt").write_text(hlo)
+  # A second bucket's module with other names: it names none of the trace's kernels.
+  (tmp_path / "hlo" / "other" / "module_2.jit__device_step.cpu_after_optimizations.txt").write_text(
+    "ENTRY %main (x: f32[2]) -> f32[2] {\n  ROOT %x = f32[2]{0} parameter(0), metadata={op_name=\"jit(f)/lm_head/x\"}\n}\n"
+  )
+  mhc = next(k for k, v in scopes.items() if v == "mhc")
+  moe = next(k for k, v in scopes.items() if v == "moe/experts")
+  # Two steps: two mhc kernels, one moe kernel matched by the trace's hlo_op (a library kernel's
+  # name is not the instruction's), one kernel of no instruction.
+  step = [(mhc, 0.0, 2.0), (mhc, 3.0, 2.0), ("nvjet_gemm", 6.0, 8.0), ("memcpy", 15.0, 1.0)]
+  _write(tmp_path, step + [(n, ts + 20.0, d) for n, ts, d in step], hlo_ops={"nvjet_gemm": moe.replace("_", ".", 1)})
+  p = summarize_trace(tmp_path, num_steps=2, hlo_dir=tmp_path / "hlo")
+  rows = {r["scope"]: r for r in p["by_scope"]}
+  assert rows["mhc"]["kernels_per_step"] == 2 and rows["mhc"]["ms_per_step"] == pytest.approx(4e-3)
+  assert rows["moe/experts"]["kernels_per_step"] == 1 and rows["moe/experts"]["share"] == pytest.approx(8 / 13)
+  assert rows["(unattributed)"]["kernels_per_step"] == 1
+  assert [r["scope"] for r in p["by_scope"]][0] == "moe/experts"  # heaviest first
+  assert "by_scope" not in summarize_trace(tmp_path, num_steps=2)
+
+
+def test_missing_hlo_and_late_dump_are_clear_errors(tmp_path):
+  _write(tmp_path, [("k", 0.0, 1.0)])
+  with pytest.raises(RuntimeError, match="no \\*after_optimizations.txt under .*enable_hlo_dump"):
+    summarize_trace(tmp_path, num_steps=1, hlo_dir=tmp_path / "hlo")
+  jnp.zeros(1).block_until_ready()  # a backend is up: XLA has read its flags
+  with pytest.raises(RuntimeError, match="must run before JAX starts a backend"):
+    enable_hlo_dump(tmp_path / "hlo")

@@ -32,9 +32,11 @@ def benchmark_decode(
   new_tokens: int,
   profile_dir: str | None = None,
   profile_steps: int = 8,
+  hlo_dir: str | None = None,
 ) -> dict:
   """Serves ``prompts`` to completion of prefill, then times ``steps`` steps in which every request
-  decodes; optionally traces ``profile_steps`` more with ``jax.profiler`` into ``profile_dir``.
+  decodes; optionally traces ``profile_steps`` more with ``jax.profiler`` into ``profile_dir``
+  (with ``hlo_dir``, ``jaxkv.profiling.enable_hlo_dump``'s, each model part's kernels as well).
   With prefix caching on, the same prompts' prefill is then timed again, warm from the device's
   prefix cache (``prefill_warm_s``, ``num_cached_tokens``).
 
@@ -76,7 +78,7 @@ def benchmark_decode(
     for _ in range(profile_steps):
       engine.step()
     jax.profiler.stop_trace()
-    profile = summarize_trace(profile_dir, profile_steps)
+    profile = summarize_trace(profile_dir, profile_steps, hlo_dir=hlo_dir)
   finished_early = sum(r.finish_reason is not None for r in reqs)
   for r in reqs:
     engine.abort(r.request_id)
@@ -99,7 +101,7 @@ def benchmark_decode(
       engine.step()
       num_prefill_steps += 1
     jax.profiler.stop_trace()
-    profile["prefill"] = summarize_trace(f"{profile_dir}/prefill", num_prefill_steps)
+    profile["prefill"] = summarize_trace(f"{profile_dir}/prefill", num_prefill_steps, hlo_dir=hlo_dir)
     while engine.has_unfinished():
       engine.step()
   lat_ms = np.asarray(lat) * 1e3

@@ -245,22 +245,26 @@ def _step(
   next-token log-probs (``_next_token_logprobs``; else None), the caches and the kernel tables.
   """
   runner, layout = statics.runner, statics.layout
-  meta = runner.compute_step_metadata(
-    inputs.block_tables,
-    inputs.num_blocks,
-    inputs.req_indices,
-    inputs.positions,
-    kernel_tables,
-    spec=statics.metadata_spec,
-  )
+  # The named scopes (and the model's) let a profile count each part's kernels (jaxkv.profiling).
+  with jax.named_scope("step_metadata"):
+    meta = runner.compute_step_metadata(
+      inputs.block_tables,
+      inputs.num_blocks,
+      inputs.req_indices,
+      inputs.positions,
+      kernel_tables,
+      spec=statics.metadata_spec,
+    )
   kernel_tables = meta.kernel_block_tables
   inputs = dataclasses.replace(inputs, metadata=meta)
   hidden, caches = runner.forward(params, caches, inputs, layout)
-  plp = _next_token_logprobs(runner, params, hidden, next_ids) if prompt_logprobs else None
+  with jax.named_scope("prompt_logprobs"):
+    plp = _next_token_logprobs(runner, params, hidden, next_ids) if prompt_logprobs else None
   logits = runner.compute_logits(params, hidden[jnp.maximum(sample_indices, 0)])  # [R, S, V]
-  tokens, num_accepted, top_lp, top_ids, token_lp, token_rank = sample(
-    logits, temperature, top_p, top_k, seeds, steps, draft_ids, num_drafts
-  )
+  with jax.named_scope("sampler"):
+    tokens, num_accepted, top_lp, top_ids, token_lp, token_rank = sample(
+      logits, temperature, top_p, top_k, seeds, steps, draft_ids, num_drafts
+    )
   k = statics.num_speculative_tokens
   if k:
     # The token after each step token is known on the host, or was just sampled (accepted drafts
@@ -269,7 +273,8 @@ def _step(
     sampled = jnp.zeros((t,), jnp.int32).at[jnp.where(sample_indices >= 0, sample_indices, t)].set(tokens, mode="drop")
     next_ids = jnp.where(next_ids >= 0, next_ids, sampled)
     last = jnp.take_along_axis(sample_indices, num_accepted[:, None], axis=1)[:, 0]  # [R]
-    draft_ids, caches = runner.propose_drafts(params, caches, hidden, next_ids, inputs, last, layout, num_drafts=k)
+    with jax.named_scope("mtp"):
+      draft_ids, caches = runner.propose_drafts(params, caches, hidden, next_ids, inputs, last, layout, num_drafts=k)
   return (tokens, num_accepted, top_lp, top_ids, draft_ids, token_lp, token_rank), plp, caches, kernel_tables
 
 

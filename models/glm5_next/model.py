@@ -507,13 +507,22 @@ class DecoderLayer(nnx.Module):
     strategy (default: the whole-sequence reference; the paged step injects its cached form, with
     the caches as the carry, threaded through the layers as ``lax.scan`` threads its carry).
     """
-    post, comb, u = self.attn_hc(streams)
-    x = self.input_layernorm(u)
-    y, indices, carry = (attend or reference_attend)(self.self_attn, x, prev_indices, carry)
-    streams = HyperConnection.expand(post, comb, y, streams)
-    post, comb, u = self.ffn_hc(streams)
-    z = self.mlp(self.post_attention_layernorm(u))
-    return HyperConnection.expand(post, comb, z, streams), indices, carry
+    # Named scopes tag each op with the part it belongs to (the kernels' HLO metadata), so a
+    # profile can say where a step's kernels come from (jaxkv.profiling); they change no arithmetic.
+    attn_scope = "kda" if isinstance(self.self_attn, KimiDeltaAttention) else "dsa"
+    mlp_scope = "moe" if isinstance(self.mlp, MoE) else "mlp"
+    with jax.named_scope("mhc"):
+      post, comb, u = self.attn_hc(streams)
+    with jax.named_scope(attn_scope):
+      x = self.input_layernorm(u)
+      y, indices, carry = (attend or reference_attend)(self.self_attn, x, prev_indices, carry)
+    with jax.named_scope("mhc"):
+      streams = HyperConnection.expand(post, comb, y, streams)
+      post, comb, u = self.ffn_hc(streams)
+    with jax.named_scope(mlp_scope):
+      z = self.mlp(self.post_attention_layernorm(u))
+    with jax.named_scope("mhc"):
+      return HyperConnection.expand(post, comb, z, streams), indices, carry
 
 
 class MTPLayer(nnx.Module):
@@ -584,17 +593,20 @@ class Glm5NextForCausalLM(nnx.Module):
     reference attention (the paged step passes its cached form, its caches as ``carry``); the layer
     loop is the same for both.
     """
-    e = self.embed_tokens[...][input_ids]
-    streams = jnp.broadcast_to(e[:, :, None], (*e.shape[:2], self.config.hc_mult, e.shape[-1]))
+    with jax.named_scope("embed"):
+      e = self.embed_tokens[...][input_ids]
+      streams = jnp.broadcast_to(e[:, :, None], (*e.shape[:2], self.config.hc_mult, e.shape[-1]))
     indices = None
     for i, layer in enumerate(self.layers):
       layer_attend = None if attend is None else functools.partial(attend, i)
       streams, out_indices, carry = layer(streams, indices, layer_attend, carry)
       indices = out_indices if out_indices is not None else indices
-    return self.norm(jnp.mean(streams, axis=2)), carry
+    with jax.named_scope("final_norm"):
+      return self.norm(jnp.mean(streams, axis=2)), carry
 
   def logits(self, hidden):
-    return _linear(hidden, self.lm_head[...]).astype(jnp.float32)
+    with jax.named_scope("lm_head"):
+      return _linear(hidden, self.lm_head[...]).astype(jnp.float32)
 
   def __call__(self, input_ids: Int[Array, "B T"]) -> Float[Array, "B T V"]:
     return self.logits(self.hidden_states(input_ids)[0])
