@@ -79,8 +79,8 @@ case $mode in
     for i in $(seq "${ROUNDS:-2}"); do
       for tree in this other; do
         dir=$([ $tree = this ] && echo "$here" || echo "$other")
-        # Each tree's executables cached on disk, so the second round can skip XLA's compile (66-73 s
-        # of a batch's warm-up at batch 32 on the H200), not the tracing.
+        # Each tree's executables cached on disk, so a later round (or call, on a machine still
+        # warm) skips XLA's compile: batch 32's warm-up took 8.5 s instead of 81 s on the H200.
         (cd "$dir" && export PYTHONPATH="$dir:/tmp/tk" JAX_COMPILATION_CACHE_DIR="/tmp/jcc-$tree" \
           JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 && run "${PERF_S:-240}" "perf-$i-$tree.txt" \
           python benchmarks/performance.py --batches "${PERF_BATCHES:-1,32}" --out "$out/perf-$tree.jsonl")
