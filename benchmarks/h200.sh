@@ -28,6 +28,8 @@ if ls .wheels/*.whl >/dev/null 2>&1; then
   export PYTHONPATH="$PWD:/tmp/tk"
 fi
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+# Compiled executables kept on disk: a later call on a machine still warm skips XLA's compile.
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jcc-this} JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,memory.used --format=csv >"$out/gpu.txt"
 git log -1 --format='%H %s' >>"$out/gpu.txt" 2>/dev/null
 # The test files with kernels or the step compiled on a GPU (the rest run the same code as on the CPU).
