@@ -173,7 +173,7 @@ def summarize_trace(
 
 
 def _by_scope(events: list[dict], hlo_dir: str | pathlib.Path, num_steps: int, total: float) -> list[dict]:
-  files = [f for f in pathlib.Path(hlo_dir).rglob("*after_optimizations.txt")]
+  files = list(pathlib.Path(hlo_dir).rglob("*after_optimizations.txt"))
   if not files:
     raise RuntimeError(
       f"no *after_optimizations.txt under {hlo_dir}: was enable_hlo_dump({str(hlo_dir)!r}) called first?"
