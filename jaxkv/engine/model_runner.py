@@ -80,6 +80,10 @@ class ModelRunner(Protocol):
   def compute_logits(self, params, hidden: jax.Array) -> jax.Array:
     """float32 logits ``[..., V]`` of hidden states ``[..., D]``."""
 
+  def top_k(self, x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """``jax.lax.top_k(x, k)`` (values and int32 ids ``[..., k]`` of float ``x [..., N]``) as the
+    runner's kernels compute it: the sampler's top log-probs over the vocabulary."""
+
   def propose_drafts(
     self, params, caches, hidden, next_ids, inputs: StepInputs, last: jax.Array, layout, *, num_drafts: int
   ) -> tuple[jax.Array, dict]:

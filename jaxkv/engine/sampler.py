@@ -31,6 +31,7 @@ def sample(
   steps: Int[Array, " R"],
   draft_ids: Int[Array, "R S-1"],
   num_drafts: Int[Array, " R"],
+  select_top=None,
 ) -> tuple[Int[Array, "R S"], Int[Array, " R"], Float[Array, "R S K"], Int[Array, "R S K"]]:
   """Verifies each row's drafts and samples its next tokens.
 
@@ -58,6 +59,7 @@ def sample(
     temperature, top_p, top_k, seeds: per row. steps: output index of the row's first token this step.
     draft_ids: ``[R, S-1]`` drafts (entries past ``num_drafts`` are ignored).
     num_drafts: ``[R]`` drafts to verify, ``0 .. S-1``.
+    select_top: the top-k of the log-probs (``logprob_stats``).
 
   Returns:
     ``tokens [R, S]`` (entries ``0 .. num_accepted`` are the row's new tokens), ``num_accepted
@@ -90,16 +92,20 @@ def sample(
   tokens = jnp.where(hot[:, None], drawn, greedy).astype(jnp.int32)
   # Drafts are accepted while they equal the tokens; the token after them is the next one.
   num_accepted = jnp.sum(jnp.cumprod((drafts == tokens) & is_draft, axis=1), axis=1).astype(jnp.int32)
-  return (tokens, num_accepted) + logprob_stats(logits, tokens)
+  return (tokens, num_accepted) + logprob_stats(logits, tokens, select_top)
 
 
-def logprob_stats(logits: Float[Array, "... V"], token_ids: Int[Array, "..."]):
+def logprob_stats(logits: Float[Array, "... V"], token_ids: Int[Array, "..."], select_top=None):
   """The float32 log-softmax of ``logits``: its top ``MAX_LOGPROBS`` log-probs and their ids
   ``[..., K]`` (K = min(MAX_LOGPROBS, V)), and the log-prob ``[...]`` and rank ``[...]`` (1: most
   probable; ties count for the token) of ``token_ids``. The sampler's outputs, and the prompt
-  log-probs' (``jaxkv.engine.step_executor._next_token_logprobs``)."""
+  log-probs' (``jaxkv.engine.step_executor._next_token_logprobs``).
+
+  ``select_top(x, k)``: ``jax.lax.top_k``'s answer by whatever computes it fastest (the step passes
+  its runner's ``top_k``, a Pallas kernel on a GPU); default ``top_k_by_kernel``."""
+  select_top = select_top or top_k_by_kernel
   logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  top_lp, top_ids = top_k_by_kernel(logprobs, min(MAX_LOGPROBS, logprobs.shape[-1]))
+  top_lp, top_ids = select_top(logprobs, min(MAX_LOGPROBS, logprobs.shape[-1]))
   token_lp = jnp.take_along_axis(logprobs, token_ids[..., None], axis=-1)
   rank = (jnp.sum(logprobs > token_lp, axis=-1) + 1).astype(jnp.int32)
   return top_lp, top_ids.astype(jnp.int32), token_lp[..., 0], rank

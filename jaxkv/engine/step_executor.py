@@ -263,7 +263,7 @@ def _step(
   logits = runner.compute_logits(params, hidden[jnp.maximum(sample_indices, 0)])  # [R, S, V]
   with jax.named_scope("sampler"):
     tokens, num_accepted, top_lp, top_ids, token_lp, token_rank = sample(
-      logits, temperature, top_p, top_k, seeds, steps, draft_ids, num_drafts
+      logits, temperature, top_p, top_k, seeds, steps, draft_ids, num_drafts, runner.top_k
     )
   k = statics.num_speculative_tokens
   if k:
@@ -289,7 +289,8 @@ def _next_token_logprobs(runner, params, hidden, next_ids):
   and the top ``MAX_LOGPROBS`` log-probs ``[T, K]`` with their ids (the sampler's ``logprob_stats``)."""
 
   def one(h, target):
-    top_lp, top_ids, target_lp, rank = logprob_stats(runner.compute_logits(params, h[None])[0], jnp.maximum(target, 0))
+    logits = runner.compute_logits(params, h[None])[0]
+    top_lp, top_ids, target_lp, rank = logprob_stats(logits, jnp.maximum(target, 0), runner.top_k)
     return target_lp, rank, top_lp, top_ids
 
   return jax.lax.map(lambda x: one(*x), (hidden, next_ids), batch_size=min(_LOGPROB_ROWS, hidden.shape[0]))

@@ -34,6 +34,7 @@ from pallas_kernels import (
   compute_step_metadata,
   device_shared_memory_bytes,
   resolve_implementation,
+  top_k,
 )
 from jaxkv.gpu_target import target_backend
 from pallas_kernels.grouped_matmul import prepare_grouped_matmul
@@ -129,6 +130,10 @@ class Glm5NextRunner:
 
   def compute_logits(self, params, hidden):
     return self._model(params).logits(hidden)
+
+  def top_k(self, x, k):
+    """``pallas_kernels.top_k`` on ``kernel_implementation``'s path."""
+    return top_k(x, k, implementation=self.kernel_implementation("top_k"))
 
   def propose_drafts(
     self, params, caches, hidden, next_ids, inputs: StepInputs, last, layout: PagedLayout, *, num_drafts: int
