@@ -42,6 +42,14 @@ def test_top_k_matches_lax_top_k(shape, k, block, last_block, kind):
   np.testing.assert_array_equal(values, ref_values)
 
 
+def test_a_single_row_and_no_rows():
+  values, ids = top_k(jnp.asarray([3.0, -1.0, 7.0, 3.0, 0.5]), 3, implementation="pallas")
+  np.testing.assert_array_equal(ids, [2, 0, 3])
+  np.testing.assert_array_equal(values, [7.0, 3.0, 3.0])
+  values, ids = top_k(jnp.ones((0, 100)), 5, implementation="pallas")
+  assert values.shape == ids.shape == (0, 5)
+
+
 def test_bfloat16_rows_keep_their_dtype_and_order():
   rng = np.random.default_rng(1)
   x = jnp.asarray(rng.standard_normal((3, 3000)), jnp.bfloat16)  # bf16: many exact ties
