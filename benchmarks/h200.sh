@@ -5,7 +5,8 @@
 #
 #   bash benchmarks/h200.sh correctness  # the conformance matrix (6 shards) beside the GPU suites
 #   bash benchmarks/h200.sh matrix       # the matrix alone (a second call finishes it)
-#   bash benchmarks/h200.sh timing       # the kernel sweeps, then decode / prefill at batches 1, 8, 32
+#   bash benchmarks/h200.sh timing       # the kernel sweeps, the top-20 log-probs' ways, then decode /
+#                                        # prefill at batches 1, 8, 32
 #   bash benchmarks/h200.sh ab DIR       # another checkout (a branch: git archive it into DIR and
 #                                        # carry DIR): its GPU suites, then performance.py at
 #                                        # batches 1 and 32, this tree and DIR interleaved, twice
@@ -92,11 +93,13 @@ case $mode in
     ;;
   timing)
     # Nothing else on the GPU. The chunked KDA pair's settings (about 20 s each), then the sparse
-    # MLA kernel's at 64 x 32k (the column slices among them), then the engine.
+    # MLA kernel's at 64 x 32k (the column slices among them), the top-k's table, then the engine.
     run "${SWEEP_S:-200}" kda_chunk.txt python benchmarks/kernels.py --sweep --sweep-only --only kda_chunk \
       --out "$out/kda_chunk"
     run "${SWEEP_S:-200}" sparse_mla.txt python benchmarks/kernels.py --sweep --sweep-only \
       --only sparse_mla_decode --out "$out/sparse_mla"
+    run 60 top_logprobs.txt python benchmarks/sampler.py --top-logprobs --no-nucleus --iters 50 \
+      --out "$out/top_logprobs.json"
     run "${PERF_S:-180}" performance.txt python benchmarks/performance.py --batches 1,8,32 \
       --out "$out/performance.jsonl"
     ;;
