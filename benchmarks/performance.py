@@ -279,11 +279,9 @@ def main() -> int:
 
   import jax
 
-  from jaxkv.profiling import enable_hlo_dump
+  from jaxkv.profiling import hlo_dump_beside
 
-  hlo_dir = f"{args.profile}/hlo" if args.profile else None
-  if hlo_dir:  # each model part's kernels in the profile (before anything starts JAX's backend)
-    enable_hlo_dump(hlo_dir)
+  hlo_dir = hlo_dump_beside(args.profile)  # each model part's kernels (before JAX starts its backend)
   if args.explain_cache_misses:  # a compilation after warm-up says why
     jax.config.update("jax_explain_cache_misses", True)
   from jaxkv.engine import EngineConfig, LLMEngine, get_model_family

@@ -70,14 +70,14 @@ def time_top_logprobs(batch: int, vocab: int, iters: int, settings=()) -> dict:
   x = jax.nn.log_softmax(jax.random.normal(jax.random.key(batch), (batch, vocab), jnp.float32) * 3.0)
   tied = jnp.round(x) + 0.0  # + 0.0: no -0.0 (XLA's sort and the kernels may place it apart)
   by_sort = jax.jit(functools.partial(jax.lax.top_k, k=MAX_LOGPROBS))
-  ways = {"kernel": jax.jit(functools.partial(top_k_by_kernel, k=MAX_LOGPROBS))}
+  paths = {"kernel": jax.jit(functools.partial(top_k_by_kernel, k=MAX_LOGPROBS))}
   for block, warps in settings:
-    ways[f"pallas_b{block}_w{warps}"] = functools.partial(
+    paths[f"pallas_b{block}_w{warps}"] = functools.partial(
       top_k, k=MAX_LOGPROBS, block=block, num_warps=warps, implementation="pallas"
     )
-  same = all(np.array_equal(a, b) for f in ways.values() for rows in (x, tied) for a, b in zip(by_sort(rows), f(rows)))
+  same = all(np.array_equal(a, b) for f in paths.values() for rows in (x, tied) for a, b in zip(by_sort(rows), f(rows)))
   out = {"batch": batch, "k": MAX_LOGPROBS, "sort_us": _median_us(by_sort, x, iters=iters)}
-  out.update({f"{name}_us": _median_us(f, x, iters=iters) for name, f in ways.items()})
+  out.update({f"{name}_us": _median_us(f, x, iters=iters) for name, f in paths.items()})
   return {**out, "same_values_and_ids": same}
 
 

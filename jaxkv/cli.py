@@ -562,11 +562,9 @@ def cmd_bench(args) -> int:
   import numpy as np
 
   from jaxkv.engine.benchmark import benchmark_decode, decode_new_tokens
-  from jaxkv.profiling import enable_hlo_dump
+  from jaxkv.profiling import hlo_dump_beside
 
-  hlo_dir = f"{args.profile}/hlo" if args.profile else None
-  if hlo_dir:
-    enable_hlo_dump(hlo_dir)  # before anything starts JAX's backend
+  hlo_dir = hlo_dump_beside(args.profile)  # before anything starts JAX's backend
   family, config = _model_config(args)
   if args.batch > args.max_num_reqs:
     raise ValueError(

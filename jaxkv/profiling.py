@@ -25,7 +25,7 @@ import os
 import pathlib
 import re
 
-__all__ = ["enable_hlo_dump", "kernel_scopes", "summarize_trace"]
+__all__ = ["enable_hlo_dump", "hlo_dump_beside", "kernel_scopes", "summarize_trace"]
 
 # The jitted step's HLO module (``jit(_device_step)``): the only one dumped.
 _STEP_MODULE_RE = ".*_device_step.*"
@@ -55,6 +55,16 @@ def enable_hlo_dump(directory: str | pathlib.Path) -> None:
     )
   flags = f"--xla_dump_to={directory} --xla_dump_hlo_as_text --xla_dump_hlo_module_re={_STEP_MODULE_RE}"
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
+
+
+def hlo_dump_beside(profile_dir: str | pathlib.Path | None) -> str | None:
+  """``enable_hlo_dump`` into ``profile_dir/hlo`` and that folder (the ``hlo_dir`` of
+  ``summarize_trace``), or None without a profile: how ``--profile DIR`` dumps the step's HLO."""
+  if profile_dir is None:
+    return None
+  hlo_dir = f"{profile_dir}/hlo"
+  enable_hlo_dump(hlo_dir)
+  return hlo_dir
 
 
 def _kernel_key(name: str) -> str:

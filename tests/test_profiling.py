@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxkv.profiling import enable_hlo_dump, kernel_scopes, summarize_trace
+from jaxkv.profiling import enable_hlo_dump, hlo_dump_beside, kernel_scopes, summarize_trace
 
 
 def _write(tmp_path, kernels, hlo_ops=None):
@@ -127,3 +127,6 @@ def test_missing_hlo_and_late_dump_are_clear_errors(tmp_path):
   jnp.zeros(1).block_until_ready()  # a backend is up: XLA has read its flags
   with pytest.raises(RuntimeError, match="must run before JAX starts a backend"):
     enable_hlo_dump(tmp_path / "hlo")
+  assert hlo_dump_beside(None) is None  # no profile: no dump, and no error
+  with pytest.raises(RuntimeError, match=rf"enable_hlo_dump\('{tmp_path}/prof/hlo'\) must run before"):
+    hlo_dump_beside(tmp_path / "prof")
