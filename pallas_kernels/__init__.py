@@ -14,6 +14,7 @@ from pallas_kernels.cache_write import (
 )
 from pallas_kernels.kda_chunk import ChunkPrefix, chunk_delta_rule, chunk_kda, chunk_kda_reference
 from pallas_kernels.kda_recurrence import delta_rule_step, fused_recurrent_kda, fused_recurrent_kda_reference
+from pallas_kernels.mhc_mix import mhc_mix, mhc_mix_reference
 from pallas_kernels.kpool import (
   combine_pool,
   indexer_page_bytes,
@@ -55,6 +56,8 @@ __all__ = [
   "compute_step_metadata_reference",
   "top_k",
   "top_k_reference",
+  "mhc_mix",
+  "mhc_mix_reference",
   # What "auto" means on this device, and the device's shared memory (kernel tiles).
   "resolve_implementation",
   "device_shared_memory_bytes",

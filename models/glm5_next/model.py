@@ -23,11 +23,11 @@ from jaxtyping import Array, Float, Int
 
 from models.glm5_next.config import Glm5NextConfig
 from models.glm5_next.sharding import ModelSharding
-from jaxkv.gpu_target import target_backend
 from pallas_kernels.grouped_matmul import grouped_matmul
 from pallas_kernels.kda_chunk import chunk_delta_rule
 from pallas_kernels.kda_recurrence import delta_rule_step
 from pallas_kernels.kpool import combine_pool
+from pallas_kernels.mhc_mix import mhc_mix_reference
 from pallas_kernels.topk_selection import select_topk_tokens
 
 __all__ = [
@@ -106,24 +106,15 @@ class HyperConnection(nnx.Module):
     )
     self.n, self.eps, self.iters, self.norm_eps = n, config.hc_eps, config.hc_sinkhorn_iters, config.rms_norm_eps
 
-  def __call__(self, streams: Float[Array, "B T N D"]):
-    n = self.n
+  def __call__(self, streams: Float[Array, "B T N D"], mix=None):
+    """``mix``: the pre / post / comb weights from the mixing logits, ``mhc_mix``'s signature
+    (default: ``mhc_mix_reference``; the paged step passes the kernel)."""
     flat = streams.reshape(*streams.shape[:-2], -1).astype(jnp.float32)
     flat = flat * jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + self.norm_eps)
     mixed = _linear(flat, self.fn[...].astype(jnp.float32))
-    base, scale = self.base[...], self.scale[...]
-    pre = jax.nn.sigmoid(mixed[..., :n] * scale[0] + base[:n]) + self.eps
-    post = 2.0 * jax.nn.sigmoid(mixed[..., n : 2 * n] * scale[1] + base[n : 2 * n])
-    comb = mixed[..., 2 * n :].reshape(*mixed.shape[:-1], n, n) * scale[2] + base[2 * n :].reshape(n, n)
-    comb = jax.nn.softmax(comb, axis=-1) + self.eps
-    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + self.eps)
-    if target_backend() == "cpu":
-      # XLA:CPU compiles each unrolled iteration into fusions of its own: a loop makes a step
-      # compile about a quarter faster (the suite and notebooks run here). Same operations.
-      comb = jax.lax.fori_loop(0, self.iters - 1, lambda _, c: _sinkhorn_step(c, self.eps), comb)
-    else:
-      for _ in range(self.iters - 1):
-        comb = _sinkhorn_step(comb, self.eps)
+    pre, post, comb = (mix or mhc_mix_reference)(
+      mixed, self.scale[...], self.base[...], n=self.n, eps=self.eps, iters=self.iters
+    )
     collapsed = jnp.sum(pre[..., None] * streams.astype(jnp.float32), axis=-2).astype(streams.dtype)
     return post, comb, collapsed
 
@@ -134,12 +125,6 @@ class HyperConnection(nnx.Module):
     return post.astype(dt)[..., None] * y[..., None, :] + jnp.einsum(
       "btij,btid->btjd", comb.astype(dt), residual, precision=_HP
     )
-
-
-def _sinkhorn_step(comb, eps):
-  """One Sinkhorn iteration: rows, then columns, normalized to sum to one."""
-  comb = comb / (jnp.sum(comb, axis=-1, keepdims=True) + eps)
-  return comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
 
 
 def _swiglu_clamped(gate, up, limit):
@@ -500,25 +485,26 @@ class DecoderLayer(nnx.Module):
     self.attn_hc = HyperConnection(config, dtype=dtype, rngs=rngs)
     self.ffn_hc = HyperConnection(config, dtype=dtype, rngs=rngs)
 
-  def __call__(self, streams, prev_indices=None, attend=None, carry=None):
+  def __call__(self, streams, prev_indices=None, attend=None, carry=None, mix=None):
     """One layer -> ``(streams, indices or None, carry)``.
 
     ``attend(self_attn, x, prev_indices, carry) -> (y, indices or None, carry)`` is the attention
     strategy (default: the whole-sequence reference; the paged step injects its cached form, with
-    the caches as the carry, threaded through the layers as ``lax.scan`` threads its carry).
+    the caches as the carry, threaded through the layers as ``lax.scan`` threads its carry);
+    ``mix`` the mHC weights' (``HyperConnection``).
     """
     # Named scopes tag each op with the part it belongs to (the kernels' HLO metadata), so a
     # profile can say where a step's kernels come from (jaxkv.profiling); they change no arithmetic.
     attn_scope = "kda" if isinstance(self.self_attn, KimiDeltaAttention) else "dsa"
     mlp_scope = "moe" if isinstance(self.mlp, MoE) else "mlp"
     with jax.named_scope("mhc"):
-      post, comb, u = self.attn_hc(streams)
+      post, comb, u = self.attn_hc(streams, mix)
     with jax.named_scope(attn_scope):
       x = self.input_layernorm(u)
       y, indices, carry = (attend or reference_attend)(self.self_attn, x, prev_indices, carry)
     with jax.named_scope("mhc"):
       streams = HyperConnection.expand(post, comb, y, streams)
-      post, comb, u = self.ffn_hc(streams)
+      post, comb, u = self.ffn_hc(streams, mix)
     with jax.named_scope(mlp_scope):
       z = self.mlp(self.post_attention_layernorm(u))
     with jax.named_scope("mhc"):
@@ -585,13 +571,14 @@ class Glm5NextForCausalLM(nnx.Module):
     self.lm_head = _param(rngs, (config.vocab_size, d), dtype)
     self.mtp = MTPLayer(config, dtype=dtype, rngs=rngs, sharding=sharding) if config.num_nextn_predict_layers else None
 
-  def hidden_states(self, input_ids: Int[Array, "B T"], attend=None, carry=None):
+  def hidden_states(self, input_ids: Int[Array, "B T"], attend=None, carry=None, mix=None):
     """Post-final-norm hidden states ``[B, T, D]`` (what the head and the MTP layer read) and the
     final carry.
 
     ``attend(layer_index, self_attn, x, prev_indices, carry) -> (y, indices, carry)`` replaces the
-    reference attention (the paged step passes its cached form, its caches as ``carry``); the layer
-    loop is the same for both.
+    reference attention (the paged step passes its cached form, its caches as ``carry``), ``mix``
+    the mHC weights' (``HyperConnection``; the paged step passes the kernel); the layer loop is the
+    same for both.
     """
     with jax.named_scope("embed"):
       e = self.embed_tokens[...][input_ids]
@@ -599,7 +586,7 @@ class Glm5NextForCausalLM(nnx.Module):
     indices = None
     for i, layer in enumerate(self.layers):
       layer_attend = None if attend is None else functools.partial(attend, i)
-      streams, out_indices, carry = layer(streams, indices, layer_attend, carry)
+      streams, out_indices, carry = layer(streams, indices, layer_attend, carry, mix)
       indices = out_indices if out_indices is not None else indices
     with jax.named_scope("final_norm"):
       return self.norm(jnp.mean(streams, axis=2)), carry

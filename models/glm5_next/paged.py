@@ -41,6 +41,7 @@ from pallas_kernels import read_rows, resolve_implementation, write_rows
 from pallas_kernels.kda_chunk import ChunkPrefix, chunk_kda
 from pallas_kernels.kda_recurrence import fused_recurrent_kda
 from pallas_kernels.kpool import kpool_compress_and_write
+from pallas_kernels.mhc_mix import mhc_mix
 from pallas_kernels.paged_mqa_logits import paged_mqa_logits, paged_mqa_logits_stages
 from pallas_kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_tiles
 from pallas_kernels.topk_selection import select_topk_tokens
@@ -50,9 +51,10 @@ __all__ = ["PagedLayout", "kernel_fallbacks", "paged_forward", "paged_hidden_sta
 _HP = jax.lax.Precision.HIGHEST
 # Kernels that run compiled on any GPU whatever the switch: the KDA kernel keeps a token's
 # arithmetic independent of its batch (the XLA scan does not, kda_recurrence.py), and the step
-# metadata kernel is exact either way and one launch instead of several fusions, and the top-k
-# gives jax.lax.top_k's answer exactly in a fraction of XLA's time.
-_COMPILED_ON_ANY_GPU = ("fused_recurrent_kda", "compute_step_metadata", "top_k")
+# metadata kernel is exact either way and one launch instead of several fusions, the top-k
+# gives jax.lax.top_k's answer exactly in a fraction of XLA's time, and the mHC weights are one
+# launch a call where XLA's fusions of the Sinkhorn rounds are dozens.
+_COMPILED_ON_ANY_GPU = ("fused_recurrent_kda", "compute_step_metadata", "top_k", "mhc_mix")
 
 
 def kernel_implementation(kernel: str, implementation: str) -> str:
@@ -492,7 +494,8 @@ def paged_hidden_states(
     y, caches, indices = _dsa_step(attn, x[0], caches, layout, name, inputs, prev_indices, implementation)
     return y[None], indices, caches
 
-  hidden, caches = model.hidden_states(inputs.input_ids[None], attend=attend, carry=caches)
+  mix = functools.partial(mhc_mix, implementation=kernel_implementation("mhc_mix", implementation))
+  hidden, caches = model.hidden_states(inputs.input_ids[None], attend=attend, carry=caches, mix=mix)
   return hidden[0], caches
 
 
