@@ -38,7 +38,8 @@ SUITES="tests/test_kernel_kda_chunk.py tests/test_kernel_sparse_mla.py tests/tes
   tests/test_speculative.py tests/test_prompt_logprobs.py tests/test_kernel_paged_mqa_logits.py
   tests/test_kernel_kpool.py tests/test_kernel_cache_write.py tests/test_model_paged.py
   tests/test_kernel_kda_recurrence.py tests/test_grouped_matmul.py tests/test_topk_selection.py
-  tests/test_kernel_top_k.py tests/test_profiling.py tests/test_kernel_mhc_mix.py"
+  tests/test_kernel_top_k.py tests/test_profiling.py tests/test_kernel_mhc_mix.py
+  tests/test_kernel_top_p_floor.py"
 # run LIMIT LOG CMD...: one part, its output to $out/LOG, its exit status on this call's output.
 run() {
   local limit=$1 log=$2
