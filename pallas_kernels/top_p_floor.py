@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
+from jaxkv.nucleus import check_ways, nucleus_floor
 from pallas_kernels._common import default_interpret, resolve_implementation
 
 __all__ = ["top_p_floor", "top_p_floor_reference"]
@@ -69,15 +70,8 @@ def _top_p_floor_kernel(probs_ref, top_p_ref, top_k_ref, floor_ref, *, ways: int
     floor_ref[r] = jax.lax.bitcast_convert_type(lo + 1, jnp.float32)
 
 
-def _check_ways(ways: int) -> int:
-  bits = ways.bit_length() - 1
-  if ways < 2 or ways != 1 << bits or 30 % bits:
-    raise ValueError(f"ways must be 2, 4, 8, 32 or 1024 (30 bits in whole passes), got {ways}.")
-  return bits
-
-
 def _validate(probs, top_p, top_k, ways, block):
-  _check_ways(ways)
+  check_ways(ways)
   lead = probs.shape[:-1]
   if probs.ndim < 1 or probs.dtype != jnp.float32:
     raise ValueError(f"probs must be float32 [..., V], got {probs.dtype} {list(probs.shape)}.")
@@ -136,21 +130,6 @@ def top_p_floor(
 def top_p_floor_reference(
   probs: Float[Array, "... V"], top_p: Float[Array, "... 1"], ways: int, top_k: Int[Array, "... 1"] | None = None
 ) -> Float[Array, "... 1"]:
-  """Plain jnp, same arguments: the search's passes as XLA fusions over every row at once."""
-  bits = _check_ways(ways)
-  # top_p = 1 keeps every token exactly (float32 sums of nearly all the mass round either way), so
-  # it never binds; nor does a top_k of 0 (off) or of the whole vocabulary.
-  p_limit = jnp.where(top_p >= 1.0, jnp.inf, top_p)
-  k_limit = None if top_k is None else jnp.where(top_k > 0, top_k, probs.shape[-1] + 1)
-  # Invariant: above f(lo + ways * 2**shift) a limit is not reached, and above f(lo) one is (lo = -1:
-  # below every probability, 0 included); the candidates are lo + j * 2**shift, j = 1 .. ways - 1.
-  lo = jnp.full(top_p.shape, -1, jnp.int32)
-  for shift in range(30 - bits, -1, -bits):
-    candidates = lo + (jnp.arange(1, ways, dtype=jnp.int32) << shift)  # [..., ways - 1]
-    x = jax.lax.bitcast_convert_type(candidates, jnp.float32)[..., None]
-    above = probs[..., None, :] > x
-    reached = jnp.sum(jnp.where(above, probs[..., None, :], 0.0), axis=-1) >= p_limit  # [..., ways - 1]
-    if k_limit is not None:
-      reached |= jnp.sum(above, axis=-1, dtype=jnp.int32) >= k_limit
-    lo = lo + (jnp.sum(reached, axis=-1, keepdims=True, dtype=jnp.int32) << shift)
-  return jax.lax.bitcast_convert_type(lo + 1, jnp.float32)
+  """Plain jnp, same arguments: ``jaxkv.nucleus.nucleus_floor``, the search's passes as XLA fusions
+  over every row at once (the engine's path where the kernel does not run)."""
+  return nucleus_floor(probs, top_p, ways, top_k)

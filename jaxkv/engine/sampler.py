@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxkv.engine.request import MAX_LOGPROBS
-from pallas_kernels.top_p_floor import top_p_floor
+from jaxkv.nucleus import nucleus_floor
 
 __all__ = ["sample", "top_k_by_kernel"]
 
@@ -20,8 +20,8 @@ def nucleus_ways(rows: int) -> int:
   at 1 row against 131 for 32 ways and 187 for a bisection); 4 ways (15 passes of 3) above, where
   it is bound by the vocabulary reads (273 us at 32 rows, 693 at 128, against 280 and 908 for a
   bisection). Each width is an exact search of the same float32 bits; only its passes differ.
-  Measured with the passes as XLA fusions; the step now runs them as ``top_p_floor``'s kernel on a
-  GPU (one program a row), whose widths have not been timed yet."""
+  Measured with the passes as XLA fusions; the step now runs them as its runner's kernel on a
+  GPU (``ModelRunner.top_p_floor``: one program a row), whose widths have not been timed yet."""
   return 8 if rows <= 8 else 4
 
 
@@ -35,6 +35,7 @@ def sample(
   draft_ids: Int[Array, "R S-1"],
   num_drafts: Int[Array, " R"],
   select_top=None,
+  find_floor=None,
 ) -> tuple[Int[Array, "R S"], Int[Array, " R"], Float[Array, "R S K"], Int[Array, "R S K"]]:
   """Verifies each row's drafts and samples its next tokens.
 
@@ -63,6 +64,8 @@ def sample(
     draft_ids: ``[R, S-1]`` drafts (entries past ``num_drafts`` are ignored).
     num_drafts: ``[R]`` drafts to verify, ``0 .. S-1``.
     select_top: the top-k of the log-probs (``logprob_stats``).
+    find_floor: the nucleus search, ``jaxkv.nucleus.nucleus_floor``'s signature (default: it; the
+      step passes its runner's ``top_p_floor``, a Pallas kernel on a GPU).
 
   Returns:
     ``tokens [R, S]`` (entries ``0 .. num_accepted`` are the row's new tokens), ``num_accepted
@@ -90,7 +93,7 @@ def sample(
   row_limits = [
     jnp.broadcast_to(jnp.where(hot, x, off)[:, None, None], (r, s, 1)) for x, off in ((top_p, 1.0), (top_k, 0))
   ]
-  floor = top_p_floor(probs, row_limits[0], nucleus_ways(r * s), row_limits[1])
+  floor = (find_floor or nucleus_floor)(probs, row_limits[0], nucleus_ways(r * s), row_limits[1])
   masked = jnp.where(probs >= floor, scaled, -jnp.inf)  # log-weights of p_i
   keys = jax.vmap(lambda sd, st: jax.random.fold_in(jax.random.key(sd), st))(
     jnp.repeat(seeds, s), (steps[:, None] + idx).reshape(-1)
