@@ -5,6 +5,8 @@
 #
 #   bash benchmarks/h200.sh correctness  # the conformance matrix (6 shards) beside the GPU suites
 #   bash benchmarks/h200.sh matrix       # the matrix alone (a second call finishes it)
+#   bash benchmarks/h200.sh kernels      # the mHC and top-p floor kernels against the XLA paths they
+#                                        # replace (benchmarks/mhc.py, benchmarks/sampler.py)
 #   bash benchmarks/h200.sh timing       # the kernel sweeps, the top-20 log-probs' ways, then decode /
 #                                        # prefill at batches 1, 8, 32
 #   bash benchmarks/h200.sh ab DIR       # another checkout (a branch: git archive it into DIR and
@@ -21,7 +23,7 @@
 # the device cannot reach an index.
 set -u
 end=$((SECONDS + ${CALL_S:-580}))
-mode=${1:?usage: bash benchmarks/h200.sh correctness|matrix|timing|ab DIR}
+mode=${1:?usage: bash benchmarks/h200.sh correctness|matrix|kernels|timing|ab DIR}
 mkdir -p "${OUT:-.}/$mode"
 out=$(cd "${OUT:-.}/$mode" && pwd) # absolute: the ab mode runs in two trees
 if ls .wheels/*.whl >/dev/null 2>&1; then
@@ -91,6 +93,13 @@ case $mode in
           python benchmarks/performance.py --batches "${PERF_BATCHES:-1,32}" --out "$out/perf-$tree.jsonl")
       done
     done
+    ;;
+  kernels)
+    # Each a chain or a batch of calls of one kernel and of the XLA path it replaced, interleaved
+    # or in one process, checked to agree (floors equal; streams within float32 rounding).
+    run 150 mhc.txt python benchmarks/mhc.py --iters 30 --out "$out/mhc.jsonl"
+    run 200 sampler.txt python benchmarks/sampler.py --batches 1,8,32,128 --ways 4,8 --top-logprobs \
+      --top-k-blocks 2048 --top-k-warps 4 --iters 50 --out "$out/sampler.json"
     ;;
   timing)
     # Nothing else on the GPU. The chunked KDA pair's settings (about 20 s each), then the sparse
