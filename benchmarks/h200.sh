@@ -6,7 +6,7 @@
 #   bash benchmarks/h200.sh correctness  # the conformance matrix (6 shards) beside the GPU suites
 #   bash benchmarks/h200.sh matrix       # the matrix alone (a second call finishes it)
 #   bash benchmarks/h200.sh kernels      # the mHC and top-p floor kernels against the XLA paths they
-#                                        # replace (benchmarks/mhc.py, benchmarks/sampler.py)
+#                                        # replace (benchmarks/kernels.py, benchmarks/sampler.py)
 #   bash benchmarks/h200.sh timing       # the kernel sweeps, the top-20 log-probs' ways, then decode /
 #                                        # prefill at batches 1, 8, 32
 #   bash benchmarks/h200.sh ab DIR       # another checkout (a branch: git archive it into DIR and
@@ -95,9 +95,8 @@ case $mode in
     done
     ;;
   kernels)
-    # Each a chain or a batch of calls of one kernel and of the XLA path it replaced, interleaved
-    # or in one process, checked to agree (floors equal; streams within float32 rounding).
-    run 150 mhc.txt python benchmarks/mhc.py --iters 30 --out "$out/mhc.jsonl"
+    # Each kernel and the XLA path it replaced, in one process (the top-p floors checked equal).
+    run 150 mhc.txt python benchmarks/kernels.py --only mhc_mix --out "$out/mhc"
     run 200 sampler.txt python benchmarks/sampler.py --batches 1,8,32,128 --ways 4,8 --top-logprobs \
       --top-k-blocks 2048 --top-k-warps 4 --iters 50 --out "$out/sampler.json"
     ;;

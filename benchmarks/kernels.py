@@ -278,6 +278,29 @@ def bench_kda(reqs, tokens, impl, iters, repeats, **tune):
   return sec, 2 * state.nbytes + q.nbytes + k.nbytes + v.nbytes + g.nbytes + beta.nbytes + out_nbytes
 
 
+def bench_mhc_mix(tokens, impl, iters, repeats, **tune):
+  """The mHC weights of ``tokens`` tokens at the released config (4 streams, 20 Sinkhorn
+  iterations): the kernel against the XLA fusions it replaces in the step. Bytes: the mixing logits
+  read, the pre, post and comb weights written."""
+  import jax
+  import jax.numpy as jnp
+  from models.glm5_next import get_config
+  from pallas_kernels.mhc_mix import mhc_mix
+
+  config = get_config("glm-5.3-flash-slice4")
+  n, width = config.hc_mult, (2 + config.hc_mult) * config.hc_mult
+  mixed = jax.random.normal(jax.random.key(0), (tokens, width), jnp.float32) * 3
+  scale = jax.random.uniform(jax.random.key(1), (3,), jnp.float32, 0.5, 1.5)
+  base = jax.random.normal(jax.random.key(2), (width,), jnp.float32) * 0.5
+  kw = dict(n=n, eps=config.hc_eps, iters=config.hc_sinkhorn_iters, implementation=impl, **tune)
+
+  def step(m, c):
+    return m + _dep(mhc_mix(m, *c, **kw)[2])
+
+  sec = _timeit(step, mixed, (scale, base), iters, repeats)
+  return sec, mixed.nbytes + tokens * (2 * n + n * n) * 4
+
+
 def bench_kda_chunk(reqs, tokens, impl, iters, repeats, **tune):
   """Chunked KDA prefill (``chunk_kda``) on the inputs of ``bench_kda``, every request from position
   0; ``impl="recurrent"`` times the fused recurrence (its default tile) on the same tokens, the
@@ -505,6 +528,8 @@ def run(args):
     cases.append(("step_metadata", dict(tokens=t)))
   for reqs, t in ((1, 2048), (2, 1024), (16, 128)):
     cases.append(("kda_chunk", dict(reqs=reqs, tokens=t)))
+  for t in (1, 32, 2048):  # decode batches and a prefill step's tokens
+    cases.append(("mhc_mix", dict(tokens=t)))
   if args.quick:
     cases = [
       c
@@ -520,6 +545,7 @@ def run(args):
     "grouped_matmul": bench_grouped_matmul,
     "kda_recurrence": bench_kda,
     "kda_chunk": bench_kda_chunk,
+    "mhc_mix": bench_mhc_mix,
   }
   only = args.only.split(",") if args.only else list(fns)
   cases = [c for c in cases if c[0] in only]
