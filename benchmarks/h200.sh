@@ -5,6 +5,7 @@
 #
 #   bash benchmarks/h200.sh correctness  # the conformance matrix (6 shards) beside the GPU suites
 #   bash benchmarks/h200.sh matrix       # the matrix alone (a second call finishes it)
+#   bash benchmarks/h200.sh suites       # the GPU suites alone ($SUITES: a few of their files)
 #   bash benchmarks/h200.sh kernels      # the mHC and top-p floor kernels against the XLA paths they
 #                                        # replace (benchmarks/kernels.py, benchmarks/sampler.py)
 #   bash benchmarks/h200.sh timing       # the kernel sweeps, the top-20 log-probs' ways, then decode /
@@ -23,7 +24,7 @@
 # the device cannot reach an index.
 set -u
 end=$((SECONDS + ${CALL_S:-580}))
-mode=${1:?usage: bash benchmarks/h200.sh correctness|matrix|kernels|timing|ab DIR}
+mode=${1:?usage: bash benchmarks/h200.sh correctness|matrix|suites|kernels|timing|ab DIR}
 mkdir -p "${OUT:-.}/$mode"
 out=$(cd "${OUT:-.}/$mode" && pwd) # absolute: the ab mode runs in two trees
 if ls .wheels/*.whl >/dev/null 2>&1; then
@@ -36,12 +37,12 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jcc-this} JAX
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,memory.used --format=csv >"$out/gpu.txt"
 git log -1 --format='%H %s' >>"$out/gpu.txt" 2>/dev/null
 # The test files with kernels or the step compiled on a GPU (the rest run the same code as on the CPU).
-SUITES="tests/test_kernel_kda_chunk.py tests/test_kernel_sparse_mla.py tests/test_engine_equivalence.py
+SUITES="${SUITES:-tests/test_kernel_kda_chunk.py tests/test_kernel_sparse_mla.py tests/test_engine_equivalence.py
   tests/test_speculative.py tests/test_prompt_logprobs.py tests/test_kernel_paged_mqa_logits.py
   tests/test_kernel_kpool.py tests/test_kernel_cache_write.py tests/test_model_paged.py
   tests/test_kernel_kda_recurrence.py tests/test_grouped_matmul.py tests/test_topk_selection.py
   tests/test_kernel_top_k.py tests/test_profiling.py tests/test_kernel_mhc_mix.py
-  tests/test_kernel_top_p_floor.py"
+  tests/test_kernel_top_p_floor.py}"
 # run LIMIT LOG CMD...: one part, its output to $out/LOG, its exit status on this call's output.
 run() {
   local limit=$1 log=$2
@@ -65,16 +66,20 @@ matrix() {
       --time-budget "${MATRIX_S:-420}" >"$out/c/log-$i.txt" 2>&1 &
   done
 }
+suites() { run "${SUITE_S:-555}" suites.txt python -m pytest -q -n "${SUITE_N:-4}" -p no:benchmark -W ignore $SUITES; }
 case $mode in
   correctness | matrix)
     matrix
     if [ "$mode" = correctness ]; then
-      run "${SUITE_S:-555}" suites.txt python -m pytest -q -n "${SUITE_N:-4}" -p no:benchmark -W ignore $SUITES
+      suites
     fi
     wait
     echo "cells: $(cat "$out"/c/*.jsonl | wc -l)"
     python benchmarks/conformance.py --markdown "$out"/c/*.jsonl >"$out/matrix.md" 2>&1
     tail -3 "$out/matrix.md"
+    ;;
+  suites)
+    suites
     ;;
   ab)
     other=$(cd "${2:?ab needs DIR, another checkout}" && pwd)
@@ -113,7 +118,7 @@ case $mode in
       --out "$out/performance.jsonl"
     ;;
   *)
-    echo "unknown mode $mode: want correctness, matrix, timing or ab DIR" >&2
+    echo "unknown mode $mode: want correctness, matrix, suites, kernels, timing or ab DIR" >&2
     exit 2
     ;;
 esac
