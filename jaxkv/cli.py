@@ -796,8 +796,9 @@ def _add_engine_args(p):
     "--implementation",
     choices=("auto", "xla", "pallas"),
     default="auto",
-    help="attention kernels: the Pallas kernels (interpret mode on a CPU), the XLA reference path, "
-    "or auto: Pallas on a GPU, XLA on the CPU",
+    help="attention kernels: the Pallas kernels (interpret mode on a CPU; with the kernels not yet run "
+    "on a GPU: the mHC weights and the top-p floor), the XLA reference path, or auto: Pallas on a GPU "
+    "(without those two), XLA on the CPU",
   )
   p.add_argument(
     "--check-weights",
@@ -956,7 +957,10 @@ def build_parser() -> argparse.ArgumentParser:
     help="step token counts to lower (default: --max-num-reqs and the budget)",
   )
   lo.add_argument(
-    "--implementation", choices=("auto", "xla", "pallas"), default="auto", help="attention kernels (auto: Pallas)"
+    "--implementation",
+    choices=("auto", "xla", "pallas"),
+    default="auto",
+    help="attention kernels (auto: Pallas; pallas: also the kernels not yet run on a GPU)",
   )
   lo.add_argument(
     "--build", action="store_true", help="compile each distinct kernel with Triton and report its resources"

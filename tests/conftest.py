@@ -1,22 +1,27 @@
 import gc
 import getpass
 import os
+import pathlib
+import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # XLA's compiled programs kept on disk, shared by pytest's workers, the subprocesses tests start
 # and the next run: many tests build engines of the same shapes, whose steps compile to the same
 # programs. A cold cache took the 2-core suite from 18:45 to 16:35 (one file run again: 94 -> 36 s).
-# jit's own cache (what the engine's compile counts read) is per process and unaffected.
+# jit's own cache (what the engine's compile counts read) is per process and unaffected. No
+# JAX_COMPILATION_CACHE_MAX_SIZE: its eviction lists the whole folder at every write, which slowed
+# the suite past the uncached one; the folder is emptied at a run's start instead, once it is large.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 os.environ.setdefault(
   "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"jaxkv-tests-xla-{getpass.getuser()}")
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 * 2**30))  # least recently used go
+_CACHE_LIMIT_BYTES = 2 << 30
 
-import hypothesis
-import jax
-import pytest
+import hypothesis  # noqa: E402 (after the environment JAX reads at import)
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 hypothesis.settings.register_profile("ci", deadline=None, max_examples=60, print_blob=True)
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
@@ -29,6 +34,15 @@ def _memory_mappings() -> tuple[int, int] | None:
       return sum(1 for _ in maps), int(limit.read())
   except OSError:
     return None
+
+
+def pytest_sessionstart(session):
+  """Empties the suite's own compilation cache (not one the caller named) above 2 GiB, in the run's
+  first process only (pytest-xdist's workers start after it)."""
+  cache = pathlib.Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+  if _OWN_CACHE and not hasattr(session.config, "workerinput") and cache.is_dir():
+    if sum(f.stat().st_size for f in cache.iterdir() if f.is_file()) > _CACHE_LIMIT_BYTES:
+      shutil.rmtree(cache, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="module")

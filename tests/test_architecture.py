@@ -217,6 +217,13 @@ def test_one_resolver_and_the_runner_decides_each_kernels_path():
     for kernel in ("fused_recurrent_kda", "compute_step_metadata"):
       assert r.kernel_implementation(kernel) == (switch if on_cpu else "pallas")
     assert r.kernel_implementation("compute_step_metadata", "xla") == "xla"  # a named path as asked
+  # The kernels not yet run on a GPU: their XLA path (the sampler's and the step's layout's) unless
+  # "pallas" asks for them (interpreted here).
+  for switch, held_back in (("auto", ("mhc_mix", "top_p_floor")), ("xla", ("mhc_mix", "top_p_floor")), ("pallas", ())):
+    r = runner(switch)
+    assert r.xla_kernels == held_back, switch
+    assert r.kernel_implementation("top_p_floor") == ("xla" if held_back else "pallas"), switch
+    assert LLMEngine(r, cfg()).executor.statics.layout.xla_kernels == held_back, switch
   engine = LLMEngine(runner(), cfg())
   want = runner().kernel_implementation("compute_step_metadata")
   assert engine.executor.statics.metadata_spec.implementation == want  # resolved once, at construction

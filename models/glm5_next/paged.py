@@ -56,6 +56,10 @@ _HP = jax.lax.Precision.HIGHEST
 # search's answer, a program a row, greedy rows skipped), and the mHC weights are one launch a
 # call where XLA's fusions of the Sinkhorn rounds are dozens.
 _COMPILED_ON_ANY_GPU = ("fused_recurrent_kda", "compute_step_metadata", "top_k", "top_p_floor", "mhc_mix")
+# Of those, the kernels not yet run on a GPU (tested interpreted, built for sm_90 by Triton): under
+# the runner's "auto" (and "xla") they take their XLA path (``Glm5NextRunner.xla_kernels``) until the
+# GPU suites pass them and a timing shows the gain; ``implementation="pallas"`` asks for them.
+NOT_YET_RUN_ON_A_GPU = ("mhc_mix", "top_p_floor")
 
 
 def kernel_implementation(kernel: str, implementation: str) -> str:
@@ -72,8 +76,8 @@ def kernel_implementation(kernel: str, implementation: str) -> str:
 class PagedLayout:
   """The static facts the step needs of a plan: each cache's ``KernelView`` (with its entry
   encoding), the dtype of the states and tail rings, the tensors split over the tensor axis (``KVCacheTensor.shards``; their views are one device's) and
-  the attention kernels that run their XLA path on this device (``xla_kernels``: no tiles of
-  theirs fit its shared memory, ``kernel_fallbacks``)."""
+  the kernels that run their XLA path on this device (``xla_kernels``: attention kernels no tiles
+  of which fit its shared memory, ``kernel_fallbacks``; unless asked for, ``NOT_YET_RUN_ON_A_GPU``)."""
 
   state_dtype: str
   views: tuple[KernelView, ...]
@@ -495,7 +499,8 @@ def paged_hidden_states(
     y, caches, indices = _dsa_step(attn, x[0], caches, layout, name, inputs, prev_indices, implementation)
     return y[None], indices, caches
 
-  mix = functools.partial(mhc_mix, implementation=kernel_implementation("mhc_mix", implementation))
+  mix_path = layout.implementation("mhc_mix", kernel_implementation("mhc_mix", implementation))
+  mix = functools.partial(mhc_mix, implementation=mix_path)
   hidden, caches = model.hidden_states(inputs.input_ids[None], attend=attend, carry=caches, mix=mix)
   return hidden[0], caches
 
