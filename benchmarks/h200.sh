@@ -12,7 +12,11 @@
 #                                        # prefill at batches 1, 8, 32
 #   bash benchmarks/h200.sh ab DIR       # another checkout (a branch: git archive it into DIR and
 #                                        # carry DIR): its GPU suites, then performance.py at
-#                                        # batches 1 and 32, this tree and DIR interleaved, twice
+#                                        # batches 1 and 32, this tree and DIR interleaved, twice;
+#                                        # THIS_ARGS / OTHER_ARGS: more performance.py arguments
+#                                        # each (DIR . with SUITE_S=0 and OTHER_ARGS=
+#                                        # "--implementation auto", THIS_ARGS="--implementation
+#                                        # pallas": the kernels held back under auto, one tree)
 #
 # CONF: a folder of an earlier call's conformance JSON lines; its finished cells are skipped.
 # MATRIX_S / SUITE_S / SWEEP_S / PERF_S: the parts' time limits in seconds (SUITE_S=0: ab skips
@@ -91,11 +95,12 @@ case $mode in
     for i in $(seq "${ROUNDS:-2}"); do
       for tree in this other; do
         dir=$([ $tree = this ] && echo "$here" || echo "$other")
+        args=$([ $tree = this ] && echo "${THIS_ARGS:-}" || echo "${OTHER_ARGS:-}")
         # Each tree's executables cached on disk, so a later round (or call, on a machine still
         # warm) skips XLA's compile: batch 32's warm-up took 8.5 s instead of 81 s on the H200.
         (cd "$dir" && export PYTHONPATH="$dir:/tmp/tk" JAX_COMPILATION_CACHE_DIR="/tmp/jcc-$tree" \
           JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 && run "${PERF_S:-240}" "perf-$i-$tree.txt" \
-          python benchmarks/performance.py --batches "${PERF_BATCHES:-1,32}" --out "$out/perf-$tree.jsonl")
+          python benchmarks/performance.py --batches "${PERF_BATCHES:-1,32}" --out "$out/perf-$tree.jsonl" $args)
       done
     done
     ;;
