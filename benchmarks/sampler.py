@@ -1,12 +1,12 @@
-"""The sampler's top-p search by batch, for each width (``pallas_kernels.top_p_floor``).
+"""The sampler's top-p search by batch, for each width (``jaxkv.engine.sampler.nucleus_floor``).
 
 ``jaxkv.engine.sampler.sample`` runs on every step (one executable for greedy and sampling rows);
 its top-p floor is a search over float32 bit patterns whose passes are dependent launches on a
 GPU. This times that search alone (GLM-5.3-Flash's vocabulary, one position per row, temperature
 0.8, top-p 0.9) for ``--ways`` 2 (a bisection: 30 passes of 1 masked sum), 4, 8, 32 (6 passes of
-31), as XLA's passes and as the Pallas kernel (one program a row; the step's on a GPU), checking
-they give the same floors, and the kernel on greedy rows (top-p 1: no pass runs): median of
-``--iters`` calls, after warm-up. ``sampler.nucleus_ways`` picks the width by the rows of a step.
+31): median of ``--iters`` calls, after warm-up. ``sampler.nucleus_ways`` picks the width by the
+rows of a step. (A Pallas kernel running each row's passes in one program was 6-16x slower on
+the H100, docs/kernels.md, and is gone.)
 
 With ``--top-logprobs``, it also times the top ``MAX_LOGPROBS`` log-probs of each row: one
 ``jax.lax.top_k`` (k = 20: a segmented sort of the rows on a GPU) against
@@ -30,18 +30,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def time_nucleus_search(batch: int, vocab: int, ways: int, iters: int, implementation: str, top_p: float = 0.9):
-  """Median microseconds of the jitted ``ways``-way top-p floor on ``[batch, 1, vocab]`` probabilities
-  (``implementation``: ``"xla"``, the passes as fusions, or ``"pallas"``, the kernel), and the floors."""
+def time_nucleus_search(batch: int, vocab: int, ways: int, iters: int, top_p: float = 0.9) -> float:
+  """Median microseconds of the jitted ``ways``-way top-p floor on ``[batch, 1, vocab]`` probabilities."""
   import jax
   import jax.numpy as jnp
 
-  from pallas_kernels.top_p_floor import top_p_floor
+  from jaxkv.engine.sampler import nucleus_floor
 
   probs = jax.nn.softmax(jax.random.normal(jax.random.key(batch), (batch, 1, vocab), jnp.float32) * 3.0 / 0.8)
   limit = jnp.full((batch, 1, 1), top_p, jnp.float32)
-  f = jax.jit(functools.partial(top_p_floor, ways=ways, implementation=implementation))
-  return _median_us(f, probs, limit, iters=iters), f(probs, limit)
+  return _median_us(jax.jit(functools.partial(nucleus_floor, ways=ways)), probs, limit, iters=iters)
 
 
 def _median_us(f, *args, iters: int) -> float:
@@ -94,9 +92,6 @@ def main() -> int:
   p.add_argument("--top-k-blocks", default="1024,2048,4096", help="the Pallas top-k's blocks (--top-logprobs)")
   p.add_argument("--top-k-warps", default="4,8", help="the Pallas top-k's warps (--top-logprobs)")
   p.add_argument("--no-nucleus", action="store_true", help="skip the top-p search's widths")
-  p.add_argument(
-    "--nucleus-implementations", default="xla,pallas", help="the top-p search as XLA's passes and/or the kernel"
-  )
   args = p.parse_args()
   settings = [(int(b), int(w)) for b in args.top_k_blocks.split(",") for w in args.top_k_warps.split(",")]
   import jax
@@ -109,25 +104,15 @@ def main() -> int:
   rows = []
   for b in map(int, args.batches.split(",")) if not args.no_nucleus else ():
     for w in map(int, args.ways.split(",")):
-      floors = {}
-      for impl in args.nucleus_implementations.split(","):
-        us, floors[impl] = time_nucleus_search(b, args.vocab, w, args.iters, impl)
-        rows.append({"batch": b, "ways": w, "implementation": impl, "us": us})
-      same = all(bool((f == next(iter(floors.values()))).all()) for f in floors.values())
-      for r in rows[-len(floors) :]:
-        r["same_floors"] = same
-        print(json.dumps(r), flush=True)
-    # Greedy rows (top_p 1, no top-k): the kernel writes their floor without reading the row.
-    us, _ = time_nucleus_search(b, args.vocab, 8, args.iters, "pallas", top_p=1.0)
-    rows.append({"batch": b, "ways": 8, "implementation": "pallas, greedy rows", "us": us})
-    print(json.dumps(rows[-1]), flush=True)
+      rows.append({"batch": b, "ways": w, "us": time_nucleus_search(b, args.vocab, w, args.iters)})
+      print(json.dumps(rows[-1]), flush=True)
   print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}, vocabulary {args.vocab}\n")
-  ways = sorted({(r["ways"], r["implementation"]) for r in rows})
+  ways = sorted({r["ways"] for r in rows})
   if rows:
-    print("| batch | " + " | ".join(f"{w}-way {impl} us" for w, impl in ways) + " |")
+    print("| batch | " + " | ".join(f"{w}-way us" for w in ways) + " |")
     print("|---|" + "---|" * len(ways))
     for b in sorted({r["batch"] for r in rows}):
-      us = {(r["ways"], r["implementation"]): r["us"] for r in rows if r["batch"] == b}
+      us = {r["ways"]: r["us"] for r in rows if r["batch"] == b}
       print(f"| {b} | " + " | ".join(f"{us[w]:.1f}" if w in us else "-" for w in ways) + " |")
   if top:
     cols = [c for c in top[0] if c.endswith("_us")]

@@ -26,7 +26,6 @@ from pallas_kernels.paged_mqa_logits import paged_mqa_logits, paged_mqa_logits_r
 from pallas_kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_reference
 from pallas_kernels.step_metadata import compute_step_metadata, compute_step_metadata_reference
 from pallas_kernels.top_k import top_k, top_k_reference
-from pallas_kernels.top_p_floor import top_p_floor, top_p_floor_reference
 from pallas_kernels.topk_selection import select_topk_tokens, select_topk_tokens_reference
 
 __all__ = [
@@ -59,8 +58,6 @@ __all__ = [
   "top_k_reference",
   "mhc_mix",
   "mhc_mix_reference",
-  "top_p_floor",
-  "top_p_floor_reference",
   # What "auto" means on this device, and the device's shared memory (kernel tiles).
   "resolve_implementation",
   "device_shared_memory_bytes",

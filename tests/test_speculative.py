@@ -28,7 +28,6 @@ from jaxkv.engine import sampler
 from jaxkv.engine.sampler import sample
 from jaxkv.host.kv_cache_manager import KVCacheManager
 from models.glm5_next import Glm5NextForCausalLM, get_kv_cache_layers
-from pallas_kernels.top_p_floor import top_p_floor
 from models.glm5_next.runner import Glm5NextRunner
 from test_engine_equivalence import (
   CFG,
@@ -306,18 +305,17 @@ def test_top_p_draws_follow_the_sorted_nucleus():
     assert np.all(np.abs(freq - q) < 4 * np.sqrt(q * (1 - q) / n) + 1e-9), (top_p, freq, q)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "pallas"])
 @pytest.mark.parametrize("ways", [2, 4, 8, 32])
-def test_every_nucleus_search_width_keeps_the_sorted_nucleus(ways, implementation):
+def test_every_nucleus_search_width_keeps_the_sorted_nucleus(ways):
   """Each width of the sort-free search (a bisection up to 6 passes of 31 sums; ``nucleus_ways``
-  picks by the step's rows), as XLA's passes and as the kernel, keeps the tokens a float64 sort
+  picks by the step's rows) keeps the tokens a float64 sort
   keeps, ties included; top_p = 1 keeps all."""
   rng = np.random.default_rng(ways)
   logits = rng.normal(size=(6, 1, 3000)) * rng.uniform(0.3, 6.0, size=(6, 1, 1))
   logits[:3] = np.round(logits[:3])  # ties: equal probabilities are kept or dropped together
   probs = jax.nn.softmax(jnp.asarray(logits, jnp.float32), axis=-1)
   top_p = jnp.asarray([0.3, 0.8, 0.95, 0.5, 0.9, 1.0], jnp.float32)[:, None, None]
-  floor = np.asarray(top_p_floor(probs, top_p, ways, implementation=implementation))
+  floor = np.asarray(sampler.nucleus_floor(probs, top_p, ways))
   p = np.asarray(probs, np.float64)[:, 0]
   for i in range(6):
     above = np.array([p[i][p[i] > x].sum() for x in p[i]])  # mass strictly more probable than each token
@@ -325,12 +323,11 @@ def test_every_nucleus_search_width_keeps_the_sorted_nucleus(ways, implementatio
     np.testing.assert_array_equal(p[i] >= floor[i, 0, 0], kept, err_msg=f"row {i}")
   assert sampler.nucleus_ways(1) == 8 and sampler.nucleus_ways(64) == 4
   with pytest.raises(ValueError, match="ways must be"):
-    top_p_floor(probs, top_p, 16, implementation=implementation)
+    sampler.nucleus_floor(probs, top_p, 16)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "pallas"])
 @pytest.mark.parametrize("ways", [4, 8])
-def test_top_k_and_top_p_keep_what_a_sort_keeps(ways, implementation):
+def test_top_k_and_top_p_keep_what_a_sort_keeps(ways):
   """top-k alone, top-p alone and both: the tokens fewer than k of which are more probable (ties kept
   or dropped together), and within the nucleus; 0 is off, and k beyond the vocabulary keeps all."""
   rng = np.random.default_rng(100 + ways)
@@ -339,7 +336,7 @@ def test_top_k_and_top_p_keep_what_a_sort_keeps(ways, implementation):
   probs = jax.nn.softmax(jnp.asarray(logits, jnp.float32), axis=-1)
   top_p = jnp.asarray([1.0, 0.9, 1.0, 0.5, 0.99, 1.0], jnp.float32)[:, None, None]
   top_k = jnp.asarray([1, 0, 50, 7, 300, 5000], jnp.int32)[:, None, None]
-  floor = np.asarray(top_p_floor(probs, top_p, ways, top_k, implementation=implementation))
+  floor = np.asarray(sampler.nucleus_floor(probs, top_p, ways, top_k))
   p = np.asarray(probs, np.float64)[:, 0]
   for i in range(6):
     count = np.array([(p[i] > x).sum() for x in p[i]])

@@ -84,11 +84,6 @@ class ModelRunner(Protocol):
     """``jax.lax.top_k(x, k)`` (values and int32 ids ``[..., k]`` of float ``x [..., N]``) as the
     runner's kernels compute it: the sampler's top log-probs over the vocabulary."""
 
-  def top_p_floor(self, probs: jax.Array, top_p: jax.Array, ways: int, top_k: jax.Array | None = None) -> jax.Array:
-    """``jaxkv.nucleus.nucleus_floor(probs, top_p, ways, top_k)`` (the least kept probability
-    ``[..., 1]`` of each row of ``probs [..., V]``) as the runner's kernels compute it: the
-    sampler's top-p and top-k nucleus."""
-
   def propose_drafts(
     self, params, caches, hidden, next_ids, inputs: StepInputs, last: jax.Array, layout, *, num_drafts: int
   ) -> tuple[jax.Array, dict]:

@@ -8,9 +8,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jaxkv.engine.request import MAX_LOGPROBS
-from jaxkv.nucleus import nucleus_floor
 
-__all__ = ["sample", "top_k_by_kernel"]
+__all__ = ["sample", "nucleus_floor", "top_k_by_kernel"]
 
 
 def nucleus_ways(rows: int) -> int:
@@ -19,10 +18,48 @@ def nucleus_ways(rows: int) -> int:
   (10 passes of 7 sums) up to 8 rows, where the search is bound by its dependent launches (124 us
   at 1 row against 131 for 32 ways and 187 for a bisection); 4 ways (15 passes of 3) above, where
   it is bound by the vocabulary reads (273 us at 32 rows, 693 at 128, against 280 and 908 for a
-  bisection). Each width is an exact search of the same float32 bits; only its passes differ.
-  Measured with the passes as XLA fusions; the step now runs them as its runner's kernel on a
-  GPU (``ModelRunner.top_p_floor``: one program a row), whose widths have not been timed yet."""
+  bisection). Each width is an exact search of the same float32 bits; only its passes differ."""
   return 8 if rows <= 8 else 4
+
+
+def _check_ways(ways: int) -> int:
+  """``log2(ways)``; a ValueError unless ``ways`` splits 30 bits into whole passes."""
+  bits = ways.bit_length() - 1
+  if ways < 2 or ways != 1 << bits or 30 % bits:
+    raise ValueError(f"ways must be 2, 4, 8, 32 or 1024 (30 bits in whole passes), got {ways}.")
+  return bits
+
+
+def nucleus_floor(
+  probs: Float[Array, "... V"], top_p: Float[Array, "... 1"], ways: int, top_k: Int[Array, "... 1"] | None = None
+) -> Float[Array, "... 1"]:
+  """The least probability that top-p (and top-k) sampling keeps: token ``i`` is kept iff
+  ``probs[i] >= floor``, i.e. iff the tokens strictly more probable than it hold less than
+  ``top_p`` of the mass and (with ``top_k > 0``) number fewer than ``top_k``.
+
+  A ``ways``-way search over the float32 bit patterns of ``[0, 2)`` (monotone for non-negative
+  floats), in place of a sort of the vocabulary: ``30 / log2(ways)`` dependent passes of
+  ``ways - 1`` masked sums each (one fusion per pass; ``ways=2`` is a bisection). Both limits
+  are monotone in the threshold, so one search finds the larger of their floors; the count rides
+  in the same pass as the mass, over the same reads.
+  """
+  bits = _check_ways(ways)
+  # top_p = 1 keeps every token exactly (float32 sums of nearly all the mass round either way), so
+  # it never binds; nor does a top_k of 0 (off) or of the whole vocabulary.
+  p_limit = jnp.where(top_p >= 1.0, jnp.inf, top_p)
+  k_limit = None if top_k is None else jnp.where(top_k > 0, top_k, probs.shape[-1] + 1)
+  # Invariant: above f(lo + ways * 2**shift) a limit is not reached, and above f(lo) one is (lo = -1:
+  # below every probability, 0 included); the candidates are lo + j * 2**shift, j = 1 .. ways - 1.
+  lo = jnp.full(top_p.shape, -1, jnp.int32)
+  for shift in range(30 - bits, -1, -bits):
+    candidates = lo + (jnp.arange(1, ways, dtype=jnp.int32) << shift)  # [..., ways - 1]
+    x = jax.lax.bitcast_convert_type(candidates, jnp.float32)[..., None]
+    above = probs[..., None, :] > x
+    reached = jnp.sum(jnp.where(above, probs[..., None, :], 0.0), axis=-1) >= p_limit  # [..., ways - 1]
+    if k_limit is not None:
+      reached |= jnp.sum(above, axis=-1, dtype=jnp.int32) >= k_limit
+    lo = lo + (jnp.sum(reached, axis=-1, keepdims=True, dtype=jnp.int32) << shift)
+  return jax.lax.bitcast_convert_type(lo + 1, jnp.float32)
 
 
 def sample(
@@ -35,7 +72,6 @@ def sample(
   draft_ids: Int[Array, "R S-1"],
   num_drafts: Int[Array, " R"],
   select_top=None,
-  find_floor=None,
 ) -> tuple[Int[Array, "R S"], Int[Array, " R"], Float[Array, "R S K"], Int[Array, "R S K"]]:
   """Verifies each row's drafts and samples its next tokens.
 
@@ -64,8 +100,6 @@ def sample(
     draft_ids: ``[R, S-1]`` drafts (entries past ``num_drafts`` are ignored).
     num_drafts: ``[R]`` drafts to verify, ``0 .. S-1``.
     select_top: the top-k of the log-probs (``logprob_stats``).
-    find_floor: the nucleus search, ``jaxkv.nucleus.nucleus_floor``'s signature (default: it; the
-      step passes its runner's ``top_p_floor``, a Pallas kernel on a GPU).
 
   Returns:
     ``tokens [R, S]`` (entries ``0 .. num_accepted`` are the row's new tokens), ``num_accepted
@@ -89,11 +123,11 @@ def sample(
   # the softmax, rounding differently, and a floor found on one copy can then lie above every
   # entry of the other (on the H200, top_k=1 drew token 0 for 13 of 64 rows).
   probs = jax.lax.optimization_barrier(jax.nn.softmax(scaled, axis=-1))
-  # Greedy rows get limits that cannot bind: their nucleus is not used, and the kernel skips them.
+  # Greedy rows get limits that cannot bind: their nucleus is not used.
   row_limits = [
     jnp.broadcast_to(jnp.where(hot, x, off)[:, None, None], (r, s, 1)) for x, off in ((top_p, 1.0), (top_k, 0))
   ]
-  floor = (find_floor or nucleus_floor)(probs, row_limits[0], nucleus_ways(r * s), row_limits[1])
+  floor = nucleus_floor(probs, row_limits[0], nucleus_ways(r * s), row_limits[1])
   masked = jnp.where(probs >= floor, scaled, -jnp.inf)  # log-weights of p_i
   keys = jax.vmap(lambda sd, st: jax.random.fold_in(jax.random.key(sd), st))(
     jnp.repeat(seeds, s), (steps[:, None] + idx).reshape(-1)

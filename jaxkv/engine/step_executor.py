@@ -263,7 +263,7 @@ def _step(
   logits = runner.compute_logits(params, hidden[jnp.maximum(sample_indices, 0)])  # [R, S, V]
   with jax.named_scope("sampler"):
     tokens, num_accepted, top_lp, top_ids, token_lp, token_rank = sample(
-      logits, temperature, top_p, top_k, seeds, steps, draft_ids, num_drafts, runner.top_k, runner.top_p_floor
+      logits, temperature, top_p, top_k, seeds, steps, draft_ids, num_drafts, runner.top_k
     )
   k = statics.num_speculative_tokens
   if k:

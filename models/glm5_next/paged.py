@@ -52,14 +52,13 @@ _HP = jax.lax.Precision.HIGHEST
 # Kernels that run compiled on any GPU whatever the switch: the KDA kernel keeps a token's
 # arithmetic independent of its batch (the XLA scan does not, kda_recurrence.py), and the step
 # metadata kernel is exact either way and one launch instead of several fusions, the top-k
-# gives jax.lax.top_k's answer exactly in a fraction of XLA's time (the top-p floor: the nucleus
-# search's answer, a program a row, greedy rows skipped), and the mHC weights are one launch a
-# call where XLA's fusions of the Sinkhorn rounds are dozens.
-_COMPILED_ON_ANY_GPU = ("fused_recurrent_kda", "compute_step_metadata", "top_k", "top_p_floor", "mhc_mix")
+# gives jax.lax.top_k's answer exactly in a fraction of XLA's time, and the mHC weights are one
+# launch a call where XLA's fusions of the Sinkhorn rounds are dozens.
+_COMPILED_ON_ANY_GPU = ("fused_recurrent_kda", "compute_step_metadata", "top_k", "mhc_mix")
 # Of those, the kernels not yet run on a GPU (tested interpreted, built for sm_90 by Triton): under
 # the runner's "auto" (and "xla") they take their XLA path (``Glm5NextRunner.xla_kernels``) until the
 # GPU suites pass them and a timing shows the gain; ``implementation="pallas"`` asks for them.
-NOT_YET_RUN_ON_A_GPU = ("mhc_mix", "top_p_floor")
+NOT_YET_RUN_ON_A_GPU = ()
 
 
 def kernel_implementation(kernel: str, implementation: str) -> str:

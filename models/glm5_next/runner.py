@@ -36,7 +36,6 @@ from pallas_kernels import (
   device_shared_memory_bytes,
   resolve_implementation,
   top_k,
-  top_p_floor,
 )
 from jaxkv.gpu_target import target_backend
 from pallas_kernels.grouped_matmul import prepare_grouped_matmul
@@ -142,10 +141,6 @@ class Glm5NextRunner:
   def top_k(self, x, k):
     """``pallas_kernels.top_k`` on ``kernel_implementation``'s path."""
     return top_k(x, k, implementation=self.kernel_implementation("top_k"))
-
-  def top_p_floor(self, probs, top_p, ways, top_k=None):
-    """``pallas_kernels.top_p_floor`` on ``kernel_implementation``'s path."""
-    return top_p_floor(probs, top_p, ways, top_k, implementation=self.kernel_implementation("top_p_floor"))
 
   def propose_drafts(
     self, params, caches, hidden, next_ids, inputs: StepInputs, last, layout: PagedLayout, *, num_drafts: int
