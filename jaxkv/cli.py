@@ -796,9 +796,8 @@ def _add_engine_args(p):
     "--implementation",
     choices=("auto", "xla", "pallas"),
     default="auto",
-    help="attention kernels: the Pallas kernels (interpret mode on a CPU; with the kernels not yet run "
-    "on a GPU: the mHC weights and the top-p floor), the XLA reference path, or auto: Pallas on a GPU "
-    "(without those two), XLA on the CPU",
+    help="attention kernels: the Pallas kernels (interpret mode on a CPU), the XLA reference path, or "
+    "auto: Pallas on a GPU, XLA on the CPU",
   )
   p.add_argument(
     "--check-weights",
@@ -960,7 +959,7 @@ def build_parser() -> argparse.ArgumentParser:
     "--implementation",
     choices=("auto", "xla", "pallas"),
     default="auto",
-    help="attention kernels (auto: Pallas; pallas: also the kernels not yet run on a GPU)",
+    help="attention kernels (auto and pallas: the Pallas kernels; xla: the reference path)",
   )
   lo.add_argument(
     "--build", action="store_true", help="compile each distinct kernel with Triton and report its resources"

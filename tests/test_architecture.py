@@ -19,7 +19,6 @@ from jaxkv.engine import SamplingParams
 from jaxkv.step.kernel_blocks import map_to_kernel_blocks_reference
 from models.glm5_next import Glm5NextForCausalLM
 from models.glm5_next.runner import Glm5NextRunner
-from models.glm5_next.paged import NOT_YET_RUN_ON_A_GPU
 from test_engine_equivalence import CFG, LLMEngine, cfg, prompts, runner
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -218,12 +217,6 @@ def test_one_resolver_and_the_runner_decides_each_kernels_path():
     for kernel in ("fused_recurrent_kda", "compute_step_metadata"):
       assert r.kernel_implementation(kernel) == (switch if on_cpu else "pallas")
     assert r.kernel_implementation("compute_step_metadata", "xla") == "xla"  # a named path as asked
-  # The kernels not yet run on a GPU: their XLA path (the sampler's and the step's layout's) unless
-  # "pallas" asks for them (interpreted here).
-  for switch, held_back in (("auto", NOT_YET_RUN_ON_A_GPU), ("xla", NOT_YET_RUN_ON_A_GPU), ("pallas", ())):
-    r = runner(switch)
-    assert r.xla_kernels == held_back, switch
-    assert LLMEngine(r, cfg()).executor.statics.layout.xla_kernels == held_back, switch
   engine = LLMEngine(runner(), cfg())
   want = runner().kernel_implementation("compute_step_metadata")
   assert engine.executor.statics.metadata_spec.implementation == want  # resolved once, at construction

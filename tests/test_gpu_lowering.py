@@ -13,7 +13,6 @@ from jaxkv.cli import main
 from jaxkv.engine import lower_step, plan_for
 from jaxkv.kernel_build import build_kernels, triton_kernels
 from models.glm5_next import get_config
-from models.glm5_next.paged import NOT_YET_RUN_ON_A_GPU
 from models.glm5_next.runner import FAMILY
 from jaxkv import GPU_TARGETS, gpu_target
 from pallas_kernels import device_shared_memory_bytes, resolve_implementation
@@ -40,9 +39,9 @@ KERNELS = {
 }
 
 
-def lower(num_tokens, target="NVIDIA H200", chunks=False, implementation="pallas", **cache):
+def lower(num_tokens, target="NVIDIA H200", chunks=False, **cache):
   with gpu_target(target):
-    runner = FAMILY.from_shapes(get_config("glm-5.3-flash-slice4"), dtype="bfloat16", implementation=implementation)
+    runner = FAMILY.from_shapes(get_config("glm-5.3-flash-slice4"), dtype="bfloat16")
     plan = plan_for(runner, CacheConfig(**{**BENCH, **cache}))
     lowered = lower_step(runner, plan, max_num_reqs=32, num_tokens=num_tokens, linear_chunks=chunks, platform="cuda")
     return triton_kernels(lowered)
@@ -59,8 +58,6 @@ def test_the_benchmark_step_lowers_every_kernel_to_triton(num_tokens):
   (sparse,) = by_name(kernels, "sparse_mla_decode")
   assert sparse.grid[:2] == (num_tokens, 1) and sparse.num_warps == 8  # 64 heads in one 64-row tile
   assert all(k.ttir.startswith("module") and "tt.func" in k.ttir for k in kernels)
-  # "auto" holds back the kernels not yet run on a GPU: their XLA paths, in the step and the sampler.
-  assert {k.name for k in lower(num_tokens, implementation="auto")} == KERNELS - set(NOT_YET_RUN_ON_A_GPU)
 
 
 def test_chunked_prefill_lowers_chunk_kda_in_its_variant_only():
@@ -106,7 +103,6 @@ def test_every_kernel_of_the_prefill_step_builds_for_sm_90():
 
 def test_cli_lower_json_and_files(tmp_path, capsys):
   args = ["lower", "--config", "glm-5.3-flash-slice4", "--memory-gib", "8", "--max-model-len", "4096"]
-  args += ["--implementation", "pallas"]  # every kernel, those not yet run on a GPU too
   assert main(args + ["--buckets", "32", "--build", "--json", "--out", str(tmp_path)]) == 0
   out = json.loads(capsys.readouterr().out)
   assert out["target"] == "NVIDIA H200" and [s["step"] for s in out["steps"]] == ["step-32"]

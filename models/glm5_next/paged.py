@@ -55,10 +55,6 @@ _HP = jax.lax.Precision.HIGHEST
 # gives jax.lax.top_k's answer exactly in a fraction of XLA's time, and the mHC weights are one
 # launch a call where XLA's fusions of the Sinkhorn rounds are dozens.
 _COMPILED_ON_ANY_GPU = ("fused_recurrent_kda", "compute_step_metadata", "top_k", "mhc_mix")
-# Of those, the kernels not yet run on a GPU (tested interpreted, built for sm_90 by Triton): under
-# the runner's "auto" (and "xla") they take their XLA path (``Glm5NextRunner.xla_kernels``) until the
-# GPU suites pass them and a timing shows the gain; ``implementation="pallas"`` asks for them.
-NOT_YET_RUN_ON_A_GPU = ()
 
 
 def kernel_implementation(kernel: str, implementation: str) -> str:
@@ -76,7 +72,7 @@ class PagedLayout:
   """The static facts the step needs of a plan: each cache's ``KernelView`` (with its entry
   encoding), the dtype of the states and tail rings, the tensors split over the tensor axis (``KVCacheTensor.shards``; their views are one device's) and
   the kernels that run their XLA path on this device (``xla_kernels``: attention kernels no tiles
-  of which fit its shared memory, ``kernel_fallbacks``; unless asked for, ``NOT_YET_RUN_ON_A_GPU``)."""
+  of which fit its shared memory, ``kernel_fallbacks``)."""
 
   state_dtype: str
   views: tuple[KernelView, ...]

@@ -22,7 +22,6 @@ from models.glm5_next.config import BUILTIN_CONFIGS, Glm5NextConfig, get_config,
 from models.glm5_next.kv_cache import get_kv_cache_layers
 from models.glm5_next.model import Glm5NextForCausalLM
 from models.glm5_next.paged import (
-  NOT_YET_RUN_ON_A_GPU,
   PagedLayout,
   kernel_fallbacks,
   kernel_implementation,
@@ -55,22 +54,18 @@ class Glm5NextRunner:
     implementation: the attention kernels, ``"pallas"`` or ``"xla"`` (``from_model`` resolves
       ``"auto"``: the Pallas kernels on a GPU, the XLA reference on the CPU).
     params: the weights; not part of equality or the hash.
-    xla_kernels: kernels on their XLA path whatever the switch: ``paged.NOT_YET_RUN_ON_A_GPU``
-      unless ``from_model`` was asked for ``"pallas"``.
   """
 
   graphdef: Any
   config: Glm5NextConfig
   implementation: str = "xla"
   params: Any = dataclasses.field(default=None, compare=False, repr=False)
-  xla_kernels: tuple[str, ...] = ()
 
   @classmethod
   def from_model(cls, model: Glm5NextForCausalLM, *, implementation: str = "auto") -> Glm5NextRunner:
     prepare_grouped_matmul("auto", model.embed_tokens.get_value().dtype)
     graphdef, params = nnx.split(model)
-    held_back = () if implementation == "pallas" else NOT_YET_RUN_ON_A_GPU
-    return cls(graphdef, model.config, resolve_implementation(implementation), params, held_back)
+    return cls(graphdef, model.config, resolve_implementation(implementation), params)
 
   def with_params(self, params) -> Glm5NextRunner:
     return dataclasses.replace(self, params=params)
@@ -103,24 +98,22 @@ class Glm5NextRunner:
   def paged_layout(self, plan: KVCacheConfig) -> PagedLayout:
     """The plan's layout; an attention kernel whose tiles do not fit this GPU's shared memory runs its
     XLA path, said once here (at start-up), never a compile error in a step."""
-    layout = dataclasses.replace(PagedLayout.from_plan(plan), xla_kernels=self.xla_kernels)
+    layout = PagedLayout.from_plan(plan)
     if self.implementation != "pallas" or target_backend() == "cpu":  # interpret mode has no limit
       return layout
     fallbacks = kernel_fallbacks(self.config, layout, device_shared_memory_bytes())
     for kernel, reason in fallbacks.items():
       warnings.warn(f"{kernel} runs its XLA path: {reason}", RuntimeWarning, stacklevel=2)
-    return dataclasses.replace(layout, xla_kernels=tuple(sorted({*fallbacks, *self.xla_kernels})))
+    return dataclasses.replace(layout, xla_kernels=tuple(sorted(fallbacks)))
 
   def _model(self, params) -> Glm5NextForCausalLM:
     return nnx.merge(self.graphdef, params)
 
   def kernel_implementation(self, kernel: str, requested: str = "auto") -> str:
-    """The path ``kernel`` runs in this runner's step: ``requested`` when it names one, XLA's for
-    ``xla_kernels``, else ``paged.kernel_implementation`` under this runner's switch."""
+    """The path ``kernel`` runs in this runner's step: ``requested`` when it names one, else
+    ``paged.kernel_implementation`` under this runner's switch."""
     if requested != "auto":
       return resolve_implementation(requested)
-    if kernel in self.xla_kernels:
-      return "xla"
     return kernel_implementation(kernel, self.implementation)
 
   def compute_step_metadata(
