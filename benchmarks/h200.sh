@@ -6,7 +6,7 @@
 #   bash benchmarks/h200.sh correctness  # the conformance matrix (6 shards) beside the GPU suites
 #   bash benchmarks/h200.sh matrix       # the matrix alone (a second call finishes it)
 #   bash benchmarks/h200.sh suites       # the GPU suites alone ($SUITES: a few of their files)
-#   bash benchmarks/h200.sh kernels      # the mHC and top-p floor kernels against the XLA paths they
+#   bash benchmarks/h200.sh kernels      # the mHC and top-k kernels against the XLA paths they
 #                                        # replace (benchmarks/kernels.py, benchmarks/sampler.py)
 #   bash benchmarks/h200.sh timing       # the kernel sweeps, the top-20 log-probs' ways, then decode /
 #                                        # prefill at batches 1, 8, 32
@@ -14,9 +14,8 @@
 #                                        # carry DIR): its GPU suites, then performance.py at
 #                                        # batches 1 and 32, this tree and DIR interleaved, twice;
 #                                        # THIS_ARGS / OTHER_ARGS: more performance.py arguments
-#                                        # each (DIR . with SUITE_S=0 and OTHER_ARGS=
-#                                        # "--implementation auto", THIS_ARGS="--implementation
-#                                        # pallas": the kernels held back under auto, one tree)
+#                                        # each (e.g. DIR . with SUITE_S=0, OTHER_ARGS=
+#                                        # "--implementation xla": one tree, two paths)
 #
 # CONF: a folder of an earlier call's conformance JSON lines; its finished cells are skipped.
 # MATRIX_S / SUITE_S / SWEEP_S / PERF_S: the parts' time limits in seconds (SUITE_S=0: ab skips
@@ -104,8 +103,9 @@ case $mode in
     done
     ;;
   kernels)
-    # The mHC kernel against the XLA path it replaced; the sampler's top-k kernel against XLA's.
-    run 150 mhc.txt python benchmarks/kernels.py --only mhc_mix --iters 10 --out "$out/mhc" # 10: fewer unrolled copies to compile
+    # The mHC kernel against the XLA path it replaced (10 calls a loop: XLA compiled 50 unrolled
+    # calls of the reference for over 270 s on the H100); the sampler's top-k kernel against XLA's.
+    run 150 mhc.txt python benchmarks/kernels.py --only mhc_mix --iters 10 --out "$out/mhc"
     run 200 sampler.txt python benchmarks/sampler.py --batches 1,8,32,128 --ways 4,8 --top-logprobs \
       --top-k-blocks 2048 --top-k-warps 4 --iters 50 --out "$out/sampler.json"
     ;;
