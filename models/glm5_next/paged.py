@@ -71,8 +71,8 @@ def kernel_implementation(kernel: str, implementation: str) -> str:
 class PagedLayout:
   """The static facts the step needs of a plan: each cache's ``KernelView`` (with its entry
   encoding), the dtype of the states and tail rings, the tensors split over the tensor axis (``KVCacheTensor.shards``; their views are one device's) and
-  the kernels that run their XLA path on this device (``xla_kernels``: attention kernels no tiles
-  of which fit its shared memory, ``kernel_fallbacks``)."""
+  the attention kernels that run their XLA path on this device (``xla_kernels``: no tiles of
+  theirs fit its shared memory, ``kernel_fallbacks``)."""
 
   state_dtype: str
   views: tuple[KernelView, ...]
@@ -494,8 +494,7 @@ def paged_hidden_states(
     y, caches, indices = _dsa_step(attn, x[0], caches, layout, name, inputs, prev_indices, implementation)
     return y[None], indices, caches
 
-  mix_path = layout.implementation("mhc_mix", kernel_implementation("mhc_mix", implementation))
-  mix = functools.partial(mhc_mix, implementation=mix_path)
+  mix = functools.partial(mhc_mix, implementation=kernel_implementation("mhc_mix", implementation))
   hidden, caches = model.hidden_states(inputs.input_ids[None], attend=attend, carry=caches, mix=mix)
   return hidden[0], caches
 
