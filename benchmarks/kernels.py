@@ -90,6 +90,13 @@ SWEEP = [
     [dict(tokens=t, proj=p) for t in (2048, 8192) for p in ("gate_up", "down")],
     _moe_tilings((64, 128), (False, True)),
   ),
+  # The indexer's selection: entries a program (more programs a row where rows are few and long),
+  # entries read at a time, warps.
+  (
+    "topk_selection",
+    [dict(rows=1, entries=32768, ctx=131072), dict(rows=32, entries=32768, ctx=131072)],
+    [dict(seg=g, block=b, num_warps=w) for g in (1024, 4096) for b in (256, 1024) for w in (4, 8)],
+  ),
 ]
 # The defaults before issue 11 ("pallas_previous" in the table: the old kernels, same run).
 PREVIOUS = {"paged_mqa_logits": dict(pages_per_program=8, num_warps=2, num_stages=3)}
@@ -299,6 +306,26 @@ def bench_mhc_mix(tokens, impl, iters, repeats, **tune):
 
   sec = _timeit(step, mixed, (scale, base), iters, repeats)
   return sec, mixed.nbytes + tokens * (2 * n + n * n) * 4
+
+
+def bench_topk_selection(rows, entries, ctx, impl, iters, repeats, **tune):
+  """The DSA indexer's selection of 512 pools (index_topk 2048, kpool 4) from ``rows`` rows of
+  ``entries`` scores (the block table's width: ``max_model_len / 4``), each query seeing its
+  ``ctx / 4`` first (a prefill step's ``rows`` queries the last positions of a ``ctx`` prompt).
+  Bytes: the visible scores read once, the token indices written."""
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels.topk_selection import select_topk_tokens
+
+  logits = jax.nn.relu(jax.random.normal(jax.random.key(0), (rows, entries), jnp.float32))
+  seq_lens = ctx - rows + 1 + jnp.arange(rows, dtype=jnp.int32)
+  kw = dict(kpool=4, index_topk=2048, implementation=impl, **tune)
+
+  def step(n, c):  # the lengths carry the chain: a [rows] add, not a pass over the scores
+    return n + _dep(select_topk_tokens(c, n, **kw)).astype(jnp.int32)
+
+  nbytes = int(jnp.sum(jnp.minimum(seq_lens // 4, entries))) * 4 + rows * 2051 * 4
+  return _timeit(step, seq_lens, logits, iters, repeats), nbytes  # seq_lens donated
 
 
 def bench_kda_chunk(reqs, tokens, impl, iters, repeats, **tune):
@@ -530,6 +557,11 @@ def run(args):
     cases.append(("kda_chunk", dict(reqs=reqs, tokens=t)))
   for t in (1, 32, 2048):  # decode batches and a prefill step's tokens
     cases.append(("mhc_mix", dict(tokens=t)))
+  # The indexer's top 512 pools: decode rows of a 128k server (32,768 entries) at short and full
+  # context, and a 2,048-token prefill step of a 32k prompt.
+  for rows, entries, ctx in ((1, 32768, 1024), (32, 32768, 1024), (1, 32768, 131072), (32, 32768, 131072)):
+    cases.append(("topk_selection", dict(rows=rows, entries=entries, ctx=ctx)))
+  cases.append(("topk_selection", dict(rows=2048, entries=8192, ctx=32768)))
   if args.quick:
     cases = [
       c
@@ -546,6 +578,7 @@ def run(args):
     "kda_recurrence": bench_kda,
     "kda_chunk": bench_kda_chunk,
     "mhc_mix": bench_mhc_mix,
+    "topk_selection": bench_topk_selection,
   }
   only = args.only.split(",") if args.only else list(fns)
   cases = [c for c in cases if c[0] in only]
@@ -607,7 +640,7 @@ def run(args):
   print("\n" + table(result))
 
 
-_SIZE_KEYS = ("batch", "reqs", "ctx", "tokens", "proj", "cache_dtype")
+_SIZE_KEYS = ("batch", "reqs", "rows", "entries", "ctx", "tokens", "proj", "cache_dtype")
 
 
 def _fmt(r):

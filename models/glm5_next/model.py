@@ -342,8 +342,8 @@ class KimiDeltaAttention(nnx.Module):
 def select_indexer_tokens(scores, seq_lens, *, kpool: int, index_topk: int):
   """Whole-sequence selection: ``scores [B, T, P]`` pool scores -> token indices ``[B, T, topk+kpool-1]``.
 
-  Same rule as ``pallas_kernels.topk_selection.select_topk_tokens`` (higher score first, then lower
-  pool index), batched over ``B``.
+  ``pallas_kernels.topk_selection.select_topk_tokens`` (the best pools, higher score first, then
+  lower pool index; listed in increasing pool index), batched over ``B``.
   """
   b, t, p = scores.shape
   out = select_topk_tokens(scores.reshape(b * t, p), seq_lens.reshape(b * t), kpool=kpool, index_topk=index_topk)

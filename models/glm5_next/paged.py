@@ -52,9 +52,10 @@ _HP = jax.lax.Precision.HIGHEST
 # Kernels that run compiled on any GPU whatever the switch: the KDA kernel keeps a token's
 # arithmetic independent of its batch (the XLA scan does not, kda_recurrence.py), and the step
 # metadata kernel is exact either way and one launch instead of several fusions, the top-k
-# gives jax.lax.top_k's answer exactly in a fraction of XLA's time, and the mHC weights are one
-# launch a call where XLA's fusions of the Sinkhorn rounds are dozens.
-_COMPILED_ON_ANY_GPU = ("fused_recurrent_kda", "compute_step_metadata", "top_k", "mhc_mix")
+# gives jax.lax.top_k's answer exactly in a fraction of XLA's time, the indexer's selection is
+# exact either way and reads a row's visible entries where XLA sorts the whole row, and the mHC
+# weights are one launch a call where XLA's fusions of the Sinkhorn rounds are dozens.
+_COMPILED_ON_ANY_GPU = ("fused_recurrent_kda", "compute_step_metadata", "top_k", "select_topk_tokens", "mhc_mix")
 
 
 def kernel_implementation(kernel: str, implementation: str) -> str:
@@ -444,9 +445,18 @@ def _dsa_step(
       view=idx,
       implementation=layout.implementation("paged_mqa_logits", implementation),
     )
-    args = (q_in[:, None], caches[idx.tensor], w * ind.k**-0.5, ((pos + 1) // ind.kpool)[:, None], kt[rows])
-    logits = _per_device(attn, mqa, args, in_axes=(0, None, 0, 0, 0), out_axes=(0,))
-    indices = select_topk_tokens(logits, pos + 1, kpool=ind.kpool, index_topk=ind.topk)
+    select = functools.partial(
+      select_topk_tokens,
+      kpool=ind.kpool,
+      index_topk=ind.topk,
+      implementation=kernel_implementation("select_topk_tokens", implementation),
+    )
+
+    def score_and_select(q, cache, w, pools, table, seq_lens):
+      return select(mqa(q, cache, w, pools, table), seq_lens)
+
+    args = (q_in[:, None], caches[idx.tensor], w * ind.k**-0.5, ((pos + 1) // ind.kpool)[:, None], kt[rows], pos + 1)
+    indices = _per_device(attn, score_and_select, args, in_axes=(0, None, 0, 0, 0, 0), out_axes=(0,))
     indices = jnp.where((req >= 0)[:, None], indices, -1)
   else:
     indices = prev_indices
