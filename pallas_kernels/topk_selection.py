@@ -136,7 +136,8 @@ def _tokens(pools: Int[Array, "T k"], seq_lens: Int[Array, " T"], kpool: int) ->
   t, k = pools.shape
   seq_lens = seq_lens.astype(jnp.int32)
   tokens = pools[:, :, None] * kpool + jnp.arange(kpool, dtype=jnp.int32)
-  tokens = jnp.where(pools[:, :, None] >= 0, tokens, -1).reshape(t, k * kpool)
+  # Exactly -1: a slot the kernel left unwritten (any other value) shows in the tokens.
+  tokens = jnp.where(pools[:, :, None] != -1, tokens, -1).reshape(t, k * kpool)
   tail = (seq_lens // kpool)[:, None] * kpool + jnp.arange(kpool - 1, dtype=jnp.int32)
   tail = jnp.where((tail >= 0) & (tail < seq_lens[:, None]), tail, -1)
   return jnp.concatenate([tokens, tail], axis=1)

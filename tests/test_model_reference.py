@@ -47,11 +47,12 @@ def test_kda_layer_continuation_equals_one_pass(model):
 
 
 def brute_force_indices(scores, t_len, kpool, topk):
-  """Section 4.3 of the architecture doc, per query, in NumPy (ties: lower pool index first)."""
+  """Section 4.3 of the architecture doc, per query, in NumPy (ties: lower pool index first; the
+  chosen pools listed in increasing index, the order jaxkv's selection gives them)."""
   out = np.full((t_len, topk + kpool - 1), -1)
   for t in range(t_len):
     n_vis = (t + 1) // kpool
-    pools = sorted(range(n_vis), key=lambda p: (-scores[t, p], p))[: topk // kpool]
+    pools = sorted(sorted(range(n_vis), key=lambda p: (-scores[t, p], p))[: topk // kpool])
     toks = [p * kpool + i for p in pools for i in range(kpool)]
     out[t, : len(toks)] = toks
     tail = list(range(n_vis * kpool, t + 1))

@@ -26,7 +26,14 @@ def _definition(logits, seq_lens, *, kpool: int, index_topk: int):
   return out
 
 
-def _rows(rng, t, e, kind):
+def _rows(rng, t, e, kind, k):
+  if kind == "standouts":  # exactly k entries above the rest: a count of k is where the search stops
+    x = np.ones((t, e), np.float32)
+    for r in range(t):
+      x[r, rng.permutation(e)[:k]] = 2.0 + rng.integers(0, 3, k)
+    return x
+  if kind == "close":  # neighbours on the float grid: the search's last digit decides
+    return (1.0 + rng.integers(0, 64, (t, e)) * np.float32(2**-23)).astype(np.float32)
   if kind == "ties":  # few distinct values, ReLU-like exact zeros: the tie rule decides
     return np.maximum(rng.integers(-2, 4, (t, e)), 0).astype(np.float32)
   x = rng.standard_normal((t, e)).astype(np.float32)
@@ -56,10 +63,10 @@ def _seq_lens(rng, t, e, kpool, k):
     (6, 40, 4, 32, 16, 16),  # k = 8 of 40 entries
   ],
 )
-@pytest.mark.parametrize("kind", ["random", "ties", "signs"])
+@pytest.mark.parametrize("kind", ["random", "ties", "signs", "standouts", "close"])
 def test_kernel_matches_definition(t, e, kpool, topk, seg, block, kind):
   rng = np.random.default_rng(hash((t, e, kpool, topk, seg, kind)) % 2**32)
-  logits = _rows(rng, t, e, kind)
+  logits = _rows(rng, t, e, kind, topk // kpool)
   seq_lens = _seq_lens(rng, t, e, kpool, topk // kpool)
   want = _definition(logits, seq_lens, kpool=kpool, index_topk=topk)
   args = (jnp.asarray(logits), jnp.asarray(seq_lens))
