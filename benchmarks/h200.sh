@@ -6,8 +6,9 @@
 #   bash benchmarks/h200.sh correctness  # the conformance matrix (6 shards) beside the GPU suites
 #   bash benchmarks/h200.sh matrix       # the matrix alone (a second call finishes it)
 #   bash benchmarks/h200.sh suites       # the GPU suites alone ($SUITES: a few of their files)
-#   bash benchmarks/h200.sh kernels      # the mHC and top-k kernels against the XLA paths they
-#                                        # replace (benchmarks/kernels.py, benchmarks/sampler.py)
+#   bash benchmarks/h200.sh kernels      # the indexer's selection, the mHC and top-k kernels against
+#                                        # the XLA paths they replace (benchmarks/kernels.py,
+#                                        # benchmarks/sampler.py)
 #   bash benchmarks/h200.sh timing       # the kernel sweeps, the top-20 log-probs' ways, then decode /
 #                                        # prefill at batches 1, 8, 32
 #   bash benchmarks/h200.sh ab DIR       # another checkout (a branch: git archive it into DIR and
@@ -103,8 +104,10 @@ case $mode in
     done
     ;;
   kernels)
-    # The mHC kernel against the XLA path it replaced (10 calls a loop: XLA compiled 50 unrolled
-    # calls of the reference for over 270 s on the H100); the sampler's top-k kernel against XLA's.
+    # The indexer's selection against XLA's sort; the mHC kernel against the XLA path it replaced
+    # (10 calls a loop: XLA compiled 50 unrolled calls of the reference for over 270 s on the
+    # H100); the sampler's top-k kernel against XLA's.
+    run 120 select.txt python benchmarks/kernels.py --only topk_selection --iters 20 --out "$out/select"
     run 150 mhc.txt python benchmarks/kernels.py --only mhc_mix --iters 10 --out "$out/mhc"
     run 200 sampler.txt python benchmarks/sampler.py --batches 1,8,32,128 --ways 4,8 --top-logprobs \
       --top-k-blocks 2048 --top-k-warps 4 --iters 50 --out "$out/sampler.json"
