@@ -255,6 +255,13 @@ def main() -> int:
   )
   p.add_argument("--config", default="glm-5.3-flash-slice4")
   p.add_argument("--memory-gib", type=float, default=8.0, help="KV-cache budget")
+  p.add_argument(
+    "--max-model-len",
+    type=int,
+    default=None,
+    help="the server's limit (default: the run's longest request); it sets the block tables' width, "
+    "so the indexer's rows of scores (max_model_len / 4 entries)",
+  )
   p.add_argument("--explain-cache-misses", action="store_true", help="log why each trace missed jit's cache")
   p.add_argument("--kv-cache-dtype", default="bfloat16", choices=("bfloat16", "fp8"), help="MLA latent cache")
   p.add_argument(
@@ -319,7 +326,7 @@ def main() -> int:
         state_dtype="bfloat16",
         linear_prefill=linear_prefill,
         memory_bytes=int(args.memory_gib * 2**30),
-        max_model_len=args.context + new_tokens + 64,
+        max_model_len=args.max_model_len or args.context + new_tokens + 64,
       )
       for meta in args.metadata_implementations.split(","):
         # Decode steps run exactly `batch` tokens (no padding routed through the MoE); prefill the budget.
