@@ -559,8 +559,8 @@ def run(args):
     cases.append(("mhc_mix", dict(tokens=t)))
   # The indexer's top 512 pools: decode rows of a 128k server (32,768 entries) at short and full
   # context, and a 2,048-token prefill step of a 32k prompt.
-  for rows, entries, ctx in ((1, 32768, 1024), (32, 32768, 1024), (1, 32768, 131072), (32, 32768, 131072)):
-    cases.append(("topk_selection", dict(rows=rows, entries=entries, ctx=ctx)))
+  for r, e, c in ((1, 32768, 1024), (32, 32768, 1024), (1, 32768, 131072), (32, 32768, 131072)):
+    cases.append(("topk_selection", dict(rows=r, entries=e, ctx=c)))
   cases.append(("topk_selection", dict(rows=2048, entries=8192, ctx=32768)))
   if args.quick:
     cases = [

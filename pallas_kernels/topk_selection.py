@@ -158,9 +158,9 @@ def select_topk_tokens(
   *,
   kpool: int,
   index_topk: int,
-  seg: int = 4096,
-  block: int = 512,
-  num_warps: int = 4,
+  seg: int | None = None,
+  block: int = 1024,
+  num_warps: int = 8,
   implementation: str = "auto",
   interpret: bool | None = None,
 ) -> Int[Array, "T K"]:
@@ -171,7 +171,9 @@ def select_topk_tokens(
     logits: ``[T, E]`` pool scores, float32 or bfloat16 (compared exactly as float32).
     seq_lens: ``[T]`` tokens each query sees; its first ``seq_len // kpool`` entries are visible.
     seg: entries per program of a launch (a power of two, at least ``2 * next_power_of_2(k)``);
-      a row's candidates go on to further launches until one program holds them all.
+      a row's candidates go on to further launches until one program holds them all. None: 4,096,
+      or 1,024 where that leaves fewer than 128 programs (few long rows; H100 sweep,
+      docs/kernels.md).
     block: entries a program reads at a time (a power of two, at most ``seg``).
     num_warps: Triton's warps per program.
     implementation: ``"pallas"``, ``"xla"`` (``select_topk_tokens_reference``) or ``"auto"`` (the
@@ -184,6 +186,9 @@ def select_topk_tokens(
   t, e = logits.shape
   k = index_topk // kpool
   width = pl.next_power_of_2(k)
+  if seg is None:
+    seg = 4096 if t * pl.cdiv(e, 4096) >= 128 else max(1024, 2 * width)
+  block = min(block, seg)
   if seg & (seg - 1) or seg < 2 * width or block & (block - 1) or not 16 <= block <= seg:
     raise ValueError(
       f"seg must be a power of two of at least 2 * next_power_of_2(k) = {2 * width} and block a power "
