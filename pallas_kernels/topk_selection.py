@@ -159,7 +159,7 @@ def select_topk_tokens(
   kpool: int,
   index_topk: int,
   seg: int | None = None,
-  block: int = 1024,
+  block: int | None = None,
   num_warps: int = 8,
   implementation: str = "auto",
   interpret: bool | None = None,
@@ -174,7 +174,8 @@ def select_topk_tokens(
       a row's candidates go on to further launches until one program holds them all. None: 4,096,
       or 1,024 where that leaves fewer than 128 programs (few long rows; H100 sweep,
       docs/kernels.md).
-    block: entries a program reads at a time (a power of two, at most ``seg``).
+    block: entries a program reads at a time (a power of two, at most ``seg``; None: 1,024 or
+      ``seg``).
     num_warps: Triton's warps per program.
     implementation: ``"pallas"``, ``"xla"`` (``select_topk_tokens_reference``) or ``"auto"`` (the
       kernel on a GPU). Both give the same integers; rows of at most ``k`` entries need neither.
@@ -188,7 +189,7 @@ def select_topk_tokens(
   width = pl.next_power_of_2(k)
   if seg is None:
     seg = 4096 if t * pl.cdiv(e, 4096) >= 128 else max(1024, 2 * width)
-  block = min(block, seg)
+  block = min(1024, seg) if block is None else block
   if seg & (seg - 1) or seg < 2 * width or block & (block - 1) or not 16 <= block <= seg:
     raise ValueError(
       f"seg must be a power of two of at least 2 * next_power_of_2(k) = {2 * width} and block a power "
