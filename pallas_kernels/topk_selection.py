@@ -34,12 +34,12 @@ from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels._common import default_interpret, resolve_implementation, without_ref
-from pallas_kernels.top_k import sort_keys
+
+# The top-k kernel's sort keys, and its padding: the least key, and an id past every entry.
+from pallas_kernels.top_k import _ID_NONE, _KEY_MIN, sort_keys
 
 __all__ = ["select_topk_tokens", "select_topk_tokens_reference"]
 
-_KEY_MIN = -(2**31)
-_ID_NONE = 2**31 - 1
 _RADIX_BITS = 4
 _WAYS = 2**_RADIX_BITS
 
@@ -69,14 +69,13 @@ def _select_kernel(x_ref, ids_ref, n_ref, keys_out_ref, ids_out_ref, *, seg: int
     ids = pltriton.load(ids_ref.at[r, pl.ds(s * seg + c * block, block)], mask=inside, other=_ID_NONE)
     return keys, ids, ids != _ID_NONE
 
-  def count(pred):
+  def count(pred, rows: int = 1):
     """Per row of ``pred(keys) -> [rows, block]``, the segment's valid entries it holds."""
 
     def body(c, acc):
       keys, _, valid = load(c)
       return acc + jnp.sum((valid[None, :] & pred(keys)).astype(jnp.int32), axis=1)
 
-    rows = pred(jnp.zeros((block,), jnp.int32)).shape[0]
     return jax.lax.fori_loop(0, chunks, body, jnp.zeros((rows,), jnp.int32))
 
   total = n if first else jnp.sum(count(lambda keys: jnp.ones((1, block), jnp.bool_)))
@@ -88,7 +87,7 @@ def _select_kernel(x_ref, ids_ref, n_ref, keys_out_ref, ids_out_ref, *, seg: int
   def radix_pass(p, prefix):
     shift = 32 - _RADIX_BITS * (p + 1)
     bounds = (prefix | (digits << shift)) ^ _KEY_MIN
-    at_least = count(lambda keys: keys[None, :] >= bounds[:, None])
+    at_least = count(lambda keys: keys[None, :] >= bounds[:, None], _WAYS)
     digit = jnp.sum((at_least >= k).astype(jnp.int32)) - 1
     return prefix | (digit << shift)
 
@@ -217,7 +216,6 @@ def select_topk_tokens(
       interpret=default_interpret(interpret),
       name="select_topk",
     )(*operands)
-    n = None
     if segments == 1:
       break
   pools = jnp.where(ids[:, :k] == _ID_NONE, -1, ids[:, :k])
