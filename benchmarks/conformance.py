@@ -21,7 +21,10 @@ the first, so prefix caching hits), 8 greedy tokens each with top-5 log-probabil
   difference before the first divergence are reported;
 - bitwise: cells of one model, dtypes, implementation and number of drafts (``SWEEP`` adds such
   cells: the same settings over layouts, block sizes, kernel splits and caching) give identical
-  tokens and log-probs; with and without drafts, identical tokens.
+  tokens and log-probs; with and without drafts, identical tokens. Only cells of one code version
+  (``code_version``: a hash of the package sources) and one device kind, both in each row, are
+  held to each other's bits: a call that resumes an earlier call's files (``--out`` with its
+  cells) on changed code or another GPU compares each version's cells among themselves.
 
 One JSON line per cell goes to ``--out`` (written as it runs: a call stopped at its limit keeps
 what ran); ``--markdown`` prints the table of docs/conformance.md from such a file.
@@ -37,6 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import hashlib
 import itertools
 import json
 import os
@@ -110,6 +114,15 @@ MODELS = {
 }
 NEW_TOKENS = 8
 TIE = 1e-4
+
+
+def code_version(root: pathlib.Path = ROOT) -> str:
+  """A short hash of the sources a cell runs (``jaxkv/``, ``pallas_kernels/``, ``models/``; paths
+  and contents): equal for equal code, whether or not the tree is a git checkout."""
+  h = hashlib.sha256()
+  for path in sorted(p for d in ("jaxkv", "pallas_kernels", "models") for p in (root / d).rglob("*.py")):
+    h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+  return h.hexdigest()[:12]
 
 
 def valid(cell: dict) -> bool:
@@ -191,12 +204,12 @@ def runner_for(model: str, dtype: str, implementation: str):
   return dataclasses.replace(_RUNNERS[model, dtype], implementation=implementation)
 
 
-def run_cell(model: str, cell: dict) -> dict:
+def run_cell(model: str, cell: dict, code: str, device: str) -> dict:
   from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams
   from jaxkv.cache.kv_cache_config import CacheConfig
 
   _, _, _, _, memory, max_len, budget, buckets = MODELS[model]
-  row = {"model": model, **cell}
+  row = {"model": model, **cell, "code": code, "device": device}
   t0 = time.perf_counter()
   try:
     with warnings.catch_warnings(record=True) as caught:
@@ -241,8 +254,9 @@ def run_cell(model: str, cell: dict) -> dict:
 
 
 def compare(rows: list[dict]) -> list[dict]:
-  """Adds each row's verdict: against the float32 XLA reference, and bitwise within its group."""
-  refs = {r["model"]: r for r in rows if all(_setting(r, k) == v for k, v in REFERENCE.items()) and "tokens" in r}
+  """Adds each row's verdict: against the float32 XLA reference (of the row's code version and
+  device where one ran), and bitwise within its group (one code version and device)."""
+  refs = [r for r in rows if all(_setting(r, k) == v for k, v in REFERENCE.items()) and "tokens" in r]
   groups: dict = {}
   for r in rows:
     if "tokens" in r:
@@ -253,7 +267,12 @@ def compare(rows: list[dict]) -> list[dict]:
       problems.append("error")
     elif r["compiled_after_warmup"]:
       problems.append(f"compiled {r['compiled_after_warmup']} after warm-up")
-    ref = refs.get(r["model"])
+    # The model's reference of the row's code version and device, else its first of any.
+    ref = min(
+      (x for x in refs if x["model"] == r["model"]),
+      key=lambda x: (_setting(x, "code"), _setting(x, "device")) != (_setting(r, "code"), _setting(r, "device")),
+      default=None,
+    )
     if "tokens" in r and ref is not None:
       agree, total, dmax, tie = 0, 0, 0.0, False
       for got, want, got_lp, want_lp in zip(r["tokens"], ref["tokens"], r["logprobs"], ref["logprobs"]):
@@ -286,7 +305,9 @@ def compare(rows: list[dict]) -> list[dict]:
 
 
 def _setting(r: dict, key: str):
-  """A row's setting; rows written before ``linear_prefill`` existed ran recurrent prefill."""
+  """A row's setting; rows written before ``linear_prefill`` existed ran recurrent prefill, and
+  rows without ``code`` or ``device`` (written before they were recorded) count as one unknown
+  version."""
   return r.get(key, "recurrent" if key == "linear_prefill" else None)
 
 
@@ -294,7 +315,16 @@ def _group(r: dict) -> tuple:
   # Chunked and recurrent prefill sum in other orders: bitwise only within one of them.
   return tuple(
     _setting(r, k)
-    for k in ("model", "dtype", "kv_cache_dtype", "indexer_cache_dtype", "implementation", "linear_prefill")
+    for k in (
+      "model",
+      "dtype",
+      "kv_cache_dtype",
+      "indexer_cache_dtype",
+      "implementation",
+      "linear_prefill",
+      "code",
+      "device",
+    )
   )
 
 
@@ -346,7 +376,14 @@ def markdown(rows: list[dict]) -> str:
     ]
     lines.append("| " + " | ".join(vals) + " |")
   ok = sum(r["pass"] for r in rows)
-  return "\n".join(lines) + f"\n\n{ok} of {len(rows)} cells pass.\n"
+  versions = sorted({f"{_setting(r, 'code')} on {_setting(r, 'device')}" for r in rows})
+  mixed = (
+    f" The cells ran {len(versions)} code versions or devices ({'; '.join(versions)}; None: not recorded);"
+    " bits are compared within each."
+    if len(versions) > 1
+    else ""
+  )
+  return "\n".join(lines) + f"\n\n{ok} of {len(rows)} cells pass.{mixed}\n"
 
 
 def read_rows(paths) -> list[dict]:
@@ -420,14 +457,16 @@ def main(argv=None) -> int:
   # Grouped by weights, so that each process builds each model's weights once per dtype.
   todo = sorted(((m, c) for m, c in todo if _key(m, c) not in done), key=lambda mc: (mc[0], mc[1]["dtype"]))
   start = time.perf_counter()
+  code, device = code_version(), str(jax.devices()[0].device_kind)
   rows = []
   with open(out, "a") as f:
     f.write(
       json.dumps(
         {
-          "device": str(jax.devices()[0].device_kind),
+          "device": device,
           "jax": jax.__version__,
           "xla_flags": os.environ.get("XLA_FLAGS", ""),
+          "code": code,
         }
       )
       + "\n"
@@ -436,7 +475,7 @@ def main(argv=None) -> int:
       if time.perf_counter() - start > args.time_budget:
         print(f"time budget reached: {len(todo) - i} cells of shard {args.shard} not started", file=sys.stderr)
         break
-      row = run_cell(model, cell)
+      row = run_cell(model, cell, code, device)
       gc.collect()  # the cell's engine, its caches and executables go before the next one is built
       jax.clear_caches()
       rows.append(row)

@@ -11,6 +11,10 @@
 #                                        # benchmarks/sampler.py)
 #   bash benchmarks/h200.sh timing       # the kernel sweeps, the top-20 log-probs' ways, then decode /
 #                                        # prefill at batches 1, 8, 32
+#   bash benchmarks/h200.sh prefill      # a 32k-token prompt at batch 1 beside the HF peer (the peer
+#                                        # and its wheels carried in .wheels/hf/: docs/performance.md,
+#                                        # "Reproduce"), then 32 x 1,024 tokens in 8,192-token steps,
+#                                        # profiled
 #   bash benchmarks/h200.sh ab DIR       # another checkout (a branch: git archive it into DIR and
 #                                        # carry DIR): its GPU suites, then performance.py at
 #                                        # batches 1 and 32, this tree and DIR interleaved, twice;
@@ -28,7 +32,7 @@
 # the device cannot reach an index.
 set -u
 end=$((SECONDS + ${CALL_S:-580}))
-mode=${1:?usage: bash benchmarks/h200.sh correctness|matrix|suites|kernels|timing|ab DIR}
+mode=${1:?usage: bash benchmarks/h200.sh correctness|matrix|suites|kernels|timing|prefill|ab DIR}
 mkdir -p "${OUT:-.}/$mode"
 out=$(cd "${OUT:-.}/$mode" && pwd) # absolute: the ab mode runs in two trees
 if ls .wheels/*.whl >/dev/null 2>&1; then
@@ -45,7 +49,7 @@ SUITES="${SUITES:-tests/test_kernel_kda_chunk.py tests/test_kernel_sparse_mla.py
   tests/test_speculative.py tests/test_prompt_logprobs.py tests/test_kernel_paged_mqa_logits.py
   tests/test_kernel_kpool.py tests/test_kernel_cache_write.py tests/test_model_paged.py
   tests/test_kernel_kda_recurrence.py tests/test_grouped_matmul.py tests/test_topk_selection.py
-  tests/test_kernel_top_k.py tests/test_profiling.py tests/test_kernel_mhc_mix.py}"
+  tests/test_kernel_top_k.py tests/test_profiling.py tests/test_kernel_mhc_mix.py tests/test_greedy_step.py}"
 # run LIMIT LOG CMD...: one part, its output to $out/LOG, its exit status on this call's output.
 run() {
   local limit=$1 log=$2
@@ -105,10 +109,11 @@ case $mode in
     ;;
   kernels)
     # The indexer's selection against XLA's sort; the mHC kernel against the XLA path it replaced
-    # (10 calls a loop: XLA compiled 50 unrolled calls of the reference for over 270 s on the
-    # H100); the sampler's top-k kernel against XLA's.
+    # (2 calls a loop, timed by the trace's kernel time: XLA compiled 10 unrolled calls of the
+    # reference for minutes on the H100, and 2-call loops' wall time is dispatch); the sampler's
+    # top-k kernel against XLA's.
     run 120 select.txt python benchmarks/kernels.py --only topk_selection --iters 20 --out "$out/select"
-    run 150 mhc.txt python benchmarks/kernels.py --only mhc_mix --iters 10 --out "$out/mhc"
+    run 150 mhc.txt python benchmarks/kernels.py --only mhc_mix --iters 2 --repeats 20 --clock device --out "$out/mhc"
     run 200 sampler.txt python benchmarks/sampler.py --batches 1,8,32,128 --ways 4,8 --top-logprobs \
       --top-k-blocks 2048 --top-k-warps 4 --iters 50 --out "$out/sampler.json"
     ;;
@@ -124,8 +129,17 @@ case $mode in
     run "${PERF_S:-180}" performance.txt python benchmarks/performance.py --batches 1,8,32 \
       --out "$out/performance.jsonl"
     ;;
+  prefill)
+    # The peer's transformers (glm5_next needs >= 5.24; the machine has 5.17) and
+    # flash-linear-attention, ahead of the machine's on the path (jaxkv imports neither).
+    pip install -q --no-deps --target /tmp/hf .wheels/hf/*.whl 2>&1 | grep -v WARN
+    (export PYTHONPATH="/tmp/hf:${PYTHONPATH:-$PWD}" && run "${PERF_S:-300}" prefill-32k.txt python benchmarks/performance.py \
+      --batches 1 --context 32768 --steps 8 --peer .wheels/hf/hf_peer_bench.py --out "$out/prefill-32k.jsonl")
+    run "${PERF_S:-300}" budget-8192.txt python benchmarks/performance.py --batches 32 --budget 8192 --steps 8 \
+      --profile /tmp/prof-8192 --out "$out/budget-8192.jsonl" # the traces stay there: the rows carry their summaries
+    ;;
   *)
-    echo "unknown mode $mode: want correctness, matrix, suites, kernels, timing or ab DIR" >&2
+    echo "unknown mode $mode: want correctness, matrix, suites, kernels, timing, prefill or ab DIR" >&2
     exit 2
     ;;
 esac

@@ -5,7 +5,10 @@
 
 Each case times ``--iters`` back-to-back calls inside one jitted ``fori_loop`` (no host dispatch
 between them; each call depends on the previous one so XLA cannot hoist it), after a warm-up call,
-and reports the median over ``--repeats`` such loops. Bytes are the fewest a kernel must move
+and reports the median over ``--repeats`` such loops; ``--clock device`` reports instead the
+kernels' busy time per call from a profiler trace of the ``--repeats`` loops (for kernels of a
+few microseconds, whose short loops' wall time is mostly dispatch: ``--iters 2 --clock device``
+compiles a 2-call loop and still times only the device's work). Bytes are the fewest a kernel must move
 (inputs read once, outputs written once); "of BW" divides bytes/time by the bandwidth of a large
 bf16 elementwise pass measured in the same run. Inputs are random (never zeros); block tables are
 random permutations.
@@ -27,6 +30,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 KPOOL, D_IDX, H_IDX, P = 4, 128, 32, 64
+CLOCK = "wall"  # --clock: "wall" (host timer around each loop) or "device" (the trace's kernel time)
 H_MLA, L_MLA, TOPK = 64, 512, 2048
 E_MOE, D_MOE, F_MOE, K_MOE = 288, 4096, 2048, 8  # routed experts, hidden, expert width, experts per token
 H_KDA, D_KDA = 64, 128  # KDA heads, head dim (K = V)
@@ -117,12 +121,31 @@ def _timeit(step, state, consts, iters, repeats):
     return jax.lax.fori_loop(0, iters, lambda i, x: step(x, c), s, unroll=True)
 
   state = jax.block_until_ready(loop(state, consts))  # compile + warm up
+  if CLOCK == "device":
+    return _device_seconds(loop, state, consts, iters, repeats)
   times = []
   for _ in range(repeats):
     t0 = time.perf_counter()
     state = jax.block_until_ready(loop(state, consts))
     times.append((time.perf_counter() - t0) / iters)
   return statistics.median(times)
+
+
+def _device_seconds(loop, state, consts, iters, repeats):
+  """Device seconds per call: the union of the kernels' intervals in a trace of ``repeats`` runs
+  of ``loop`` (``jaxkv.profiling.summarize_trace``), without the host's dispatch or the gaps."""
+  import tempfile
+
+  import jax
+
+  from jaxkv.profiling import summarize_trace
+
+  with tempfile.TemporaryDirectory() as trace_dir:
+    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+    for _ in range(repeats):
+      state = jax.block_until_ready(loop(state, consts))
+    jax.profiler.stop_trace()
+    return summarize_trace(trace_dir, repeats * iters)["busy_ms_per_step"] / 1e3
 
 
 def _dep(x):
@@ -582,7 +605,14 @@ def run(args):
   }
   only = args.only.split(",") if args.only else list(fns)
   cases = [c for c in cases if c[0] in only]
-  result = {"device": dev.device_kind, "jax": jax.__version__, "bandwidth_Bps": bw, "sweep": [], "rows": rows}
+  result = {
+    "device": dev.device_kind,
+    "jax": jax.__version__,
+    "clock": args.clock,
+    "bandwidth_Bps": bw,
+    "sweep": [],
+    "rows": rows,
+  }
 
   def save():  # after every measurement, so a run cut short keeps what it measured
     if args.out:
@@ -714,7 +744,15 @@ def main():
   p.add_argument("--sweep-only", action="store_true", help="with --sweep: stop after the sweep")
   p.add_argument("--plot", metavar="JSON", help="plot a results file and exit")
   p.add_argument("--only", metavar="KERNELS", help="comma-separated kernels to run (default: all)")
+  p.add_argument(
+    "--clock",
+    choices=("wall", "device"),
+    default="wall",
+    help="wall: the host's timer around each loop; device: the kernels' busy time in a profiler trace",
+  )
   args = p.parse_args()
+  global CLOCK
+  CLOCK = args.clock
   if args.plot:
     plot(args.plot)
   else:

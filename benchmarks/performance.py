@@ -7,7 +7,10 @@ same model with jaxkv (``glm-5.3-flash-slice4``, bf16 weights, fp8 indexer keys,
 packed layout, block 1024) at each batch: prefill of ``batch x context`` tokens, then timed decode
 steps in which every request decodes (``jaxkv.engine.benchmark.benchmark_decode``).
 
-Rooflines, from what the step does, over rates measured in the same run:
+Rooflines, from what the step does, over rates measured in the same run (the copy bandwidth twice,
+before and after the timed runs, each after a second of copies; the larger is the ceiling: one
+H100 lease of 2026-12-06 read 2.15 to 2.56 TB/s from a single cold measurement, which moved a
+row's fraction of its roofline by up to 18 points):
 
 * decode: the weight bytes a step reads (lm_head, attention and KDA projections, dense MLPs, shared
   experts, and the distinct routed experts each MoE layer's router chose in the timed steps) plus
@@ -32,6 +35,7 @@ Writes one JSON line per measurement to ``--out`` and prints the table of docs/p
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import pathlib
 import subprocess
@@ -42,8 +46,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def run_peer(peer: str, context: int) -> dict[int, dict]:
-  """The peer's JSON lines by batch ({} when it cannot run here)."""
+def run_peer(peer: str, context: int) -> tuple[dict[int, dict], str | None]:
+  """The peer's JSON lines by batch, and its error's last line if it failed (at 32k tokens HF
+  eager may run out of memory after the batches it finished: both are results)."""
   proc = subprocess.run([sys.executable, peer, str(context)], capture_output=True, text=True)
   rows = {}
   for line in proc.stdout.splitlines():
@@ -51,9 +56,12 @@ def run_peer(peer: str, context: int) -> dict[int, dict]:
       row = json.loads(line)
       if "batch" in row:
         rows[row["batch"]] = row
+  error = None
   if proc.returncode:
     print(f"peer failed ({proc.returncode}): {proc.stderr[-2000:]}", file=sys.stderr)
-  return rows
+    lines = proc.stderr.strip().splitlines()
+    error = f"exit {proc.returncode}: {lines[-1] if lines else 'no output'}"
+  return rows, error
 
 
 def _median_s(f, *args, iters: int) -> float:
@@ -70,13 +78,18 @@ def _median_s(f, *args, iters: int) -> float:
   return float(np.median(times))
 
 
-def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
-  """Bytes read + written per second by a device copy of ``nbytes`` (median of ``iters``)."""
+def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 50, warm_s: float = 1.0) -> float:
+  """Bytes read + written per second by a device copy of ``nbytes`` (median of ``iters``), timed
+  after ``warm_s`` seconds of the same copies (the card at its working clocks, not idle ones)."""
   import jax
   import jax.numpy as jnp
 
   x = jax.random.bits(jax.random.key(0), (nbytes // 4,), jnp.uint32)
-  return 2 * nbytes / _median_s(jax.jit(lambda a: a ^ jnp.uint32(1)), x, iters=iters)
+  copy = jax.jit(lambda a: a ^ jnp.uint32(1))
+  end = time.perf_counter() + warm_s
+  while time.perf_counter() < end:
+    jax.block_until_ready(copy(x))
+  return 2 * nbytes / _median_s(copy, x, iters=iters)
 
 
 def gemm_rate(n: int = 8192, iters: int = 20) -> float:
@@ -262,6 +275,12 @@ def main() -> int:
     help="the server's limit (default: the run's longest request); it sets the block tables' width, "
     "so the indexer's rows of scores (max_model_len / 4 entries)",
   )
+  p.add_argument(
+    "--greedy-step",
+    default="on",
+    help="EngineConfig.greedy_step: on, off, or both comma-separated, each run in turn (one process: "
+    "the full sampler's executable compiles once)",
+  )
   p.add_argument("--explain-cache-misses", action="store_true", help="log why each trace missed jit's cache")
   p.add_argument("--kv-cache-dtype", default="bfloat16", choices=("bfloat16", "fp8"), help="MLA latent cache")
   p.add_argument(
@@ -271,6 +290,9 @@ def main() -> int:
   )
   args = p.parse_args()
   batches = [int(b) for b in args.batches.split(",")]
+  if not set(args.greedy_step.split(",")) <= {"on", "off"}:
+    p.error(f"--greedy-step {args.greedy_step!r}: want on, off or on,off")
+  greedy_steps = [g == "on" for g in args.greedy_step.split(",")]
   rows = []
 
   def emit(row):
@@ -280,9 +302,13 @@ def main() -> int:
       with open(args.out, "a") as f:
         f.write(json.dumps(row) + "\n")
 
-  peer = run_peer(args.peer, args.context) if args.peer and pathlib.Path(args.peer).is_file() else {}
+  peer, peer_error = (
+    run_peer(args.peer, args.context) if args.peer and pathlib.Path(args.peer).is_file() else ({}, None)
+  )
   for b, row in sorted(peer.items()):
     emit({"system": "hf_peer", **row})
+  if peer_error:
+    emit({"system": "hf_peer", "context": args.context, "finished_batches": sorted(peer), "error": peer_error})
 
   import jax
 
@@ -328,7 +354,7 @@ def main() -> int:
         memory_bytes=int(args.memory_gib * 2**30),
         max_model_len=args.max_model_len or args.context + new_tokens + 64,
       )
-      for meta in args.metadata_implementations.split(","):
+      for meta, greedy_step in itertools.product(args.metadata_implementations.split(","), greedy_steps):
         # Decode steps run exactly `batch` tokens (no padding routed through the MoE); prefill the budget.
         engine_config = EngineConfig(
           cache=cache,
@@ -336,6 +362,7 @@ def main() -> int:
           max_num_batched_tokens=args.budget,
           buckets=tuple(sorted({batch, args.budget})),
           step_metadata_implementation=meta,
+          greedy_step=greedy_step,
         )
         engine = LLMEngine(runner, engine_config)
         result = benchmark_decode(
@@ -343,11 +370,12 @@ def main() -> int:
           prompts,
           steps=args.steps,
           new_tokens=new_tokens,
-          profile_dir=f"{args.profile}/b{batch}-{meta}-{linear_prefill}" if args.profile else None,
+          profile_dir=f"{args.profile}/b{batch}-{meta}-{linear_prefill}-greedy-{'on' if greedy_step else 'off'}"
+          if args.profile
+          else None,
           hlo_dir=hlo_dir,
         )
         del engine
-        uniform = expected_distinct_experts(config.n_routed_experts, config.num_experts_per_tok, batch)
         flops = prefill_flops(runner, batch, args.context)
         row = {
           "system": "jaxkv",
@@ -359,24 +387,44 @@ def main() -> int:
           "linear_prefill": linear_prefill,
           "implementation": runner.implementation,
           "step_metadata_implementation": meta,
+          "greedy_step": greedy_step,
           **result,
-          "uniform_routing_roofline_ms": decode_bytes(runner, batch, args.context, uniform, args.kv_cache_dtype)[
-            "total_bytes"
-          ]
-          / bandwidth
-          * 1e3,
           "prefill_flops": flops,
           "prefill_compute_floor_s": flops / gemm,
         }
         emit(row)
         runs.append((row, prompts, new_tokens, engine_config))
-  # The routing pass after every timed one: tracing it with host callbacks needs jit's caches cleared.
+  # The ceiling again, after the card has run the engine; the larger reading is the roofline's.
+  end_bandwidth = copy_bandwidth()
+  emit({"system": "device", "when": "after the timed runs", "copy_bandwidth_TBps": end_bandwidth / 1e12})
+  bandwidth = max(bandwidth, end_bandwidth)
+  # The routing pass after every timed one: tracing it with host callbacks needs jit's caches
+  # cleared. Runs of one batch and prefill path serve the same tokens (equal digests), so route alike.
+  routings = {}
   for row, prompts, new_tokens, engine_config in runs:
-    jax.clear_caches()
-    routing = routed_experts_per_step(LLMEngine(runner, engine_config), prompts, new_tokens, args.steps)
+    key = (row["batch"], row["linear_prefill"], row["output_tokens_sha256"])
+    if key not in routings:
+      jax.clear_caches()
+      routings[key] = routed_experts_per_step(LLMEngine(runner, engine_config), prompts, new_tokens, args.steps)
+    routing = routings[key]
     need = decode_bytes(runner, row["batch"], args.context, routing["distinct_experts"], args.kv_cache_dtype)
     roof_ms = need["total_bytes"] / bandwidth * 1e3
-    row.update({**routing, **need, "roofline_ms": roof_ms, "roofline_fraction": roof_ms / row["step_ms_p50"]})
+    uniform = expected_distinct_experts(config.n_routed_experts, config.num_experts_per_tok, row["batch"])
+    row.update(
+      {
+        **routing,
+        **need,
+        "roofline_bandwidth_TBps": bandwidth / 1e12,
+        "uniform_distinct_experts": uniform,
+        "uniform_routing_roofline_ms": decode_bytes(runner, row["batch"], args.context, uniform, args.kv_cache_dtype)[
+          "total_bytes"
+        ]
+        / bandwidth
+        * 1e3,
+        "roofline_ms": roof_ms,
+        "roofline_fraction": roof_ms / row["step_ms_p50"],
+      }
+    )
     steps = -(-row["batch"] * args.context // args.budget)
     pre = prefill_roofline(runner, row["prefill_flops"], steps, routing["prefill_distinct_experts"], bandwidth, gemm)
     row.update({**pre, "prefill_roofline_fraction": pre["prefill_roofline_s"] / row["prefill_s"]})
@@ -390,11 +438,11 @@ def main() -> int:
   for r, *_ in runs:
     h = peer.get(r["batch"], {})
     speed = f"{h['step_ms'] / r['step_ms_p50']:.1f}x" if h else "-"
-    uniform = expected_distinct_experts(config.n_routed_experts, config.num_experts_per_tok, r["batch"])
+    label = f"{r['batch']}" + ("" if r["greedy_step"] else " (greedy step off)")
     print(
-      f"| {r['batch']} | {r['step_ms_p50']:.2f} | {h.get('step_ms', '-')} | {speed} | "
+      f"| {label} | {r['step_ms_p50']:.2f} | {h.get('step_ms', '-')} | {speed} | "
       f"{r['decode_tokens_per_s']:.1f} | {h.get('decode_tok_s', '-')} | {r['roofline_ms']:.2f} | "
-      f"{r['roofline_fraction']:.0%} | {r['distinct_experts']:.1f} ({uniform:.1f}) | {r['prefill_s']:.2f} | "
+      f"{r['roofline_fraction']:.0%} | {r['distinct_experts']:.1f} ({r['uniform_distinct_experts']:.1f}) | {r['prefill_s']:.2f} | "
       f"{h.get('prefill_s', '-')} | {r['prefill_roofline_fraction']:.0%} |"
     )
   return 0

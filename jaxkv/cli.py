@@ -244,6 +244,7 @@ def _engine(args, family, config, max_len: int):
     tensor_parallel_size=args.tensor_parallel_size,
     data_parallel_size=args.data_parallel_size,
     enable_expert_parallel=args.enable_expert_parallel,
+    greedy_step=args.greedy_step,
   )
   mesh = None
   if engine_config.num_devices > 1:
@@ -607,6 +608,7 @@ def cmd_bench(args) -> int:
     "tensor_parallel_size": args.tensor_parallel_size,
     "data_parallel_size": args.data_parallel_size,
     "enable_expert_parallel": args.enable_expert_parallel,
+    "greedy_step": args.greedy_step,
   }
   if args.num_spec and not args.model_path:
     result["acceptance_note"] = _RANDOM_DRAFTS
@@ -803,6 +805,13 @@ def _add_engine_args(p):
     "--check-weights",
     action="store_true",
     help="refuse a checkpoint whose tensors hold NaN or infinite values (one pass over the weights)",
+  )
+  p.add_argument(
+    "--no-greedy-step",
+    dest="greedy_step",
+    action="store_false",
+    help="compile one step per token bucket: no greedy variant of the decode buckets (a faster warm-up; "
+    "steps of greedy requests without log-probs then run the whole sampler; tokens are the same)",
   )
   p.add_argument(
     "--enable-prefix-caching",

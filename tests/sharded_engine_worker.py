@@ -94,9 +94,23 @@ def main() -> int:
   args = p.parse_args()
   import jax
 
+  checks = [0]  # jax.device_put's cross-process equality checks (an all-gather and a host sync each)
   if args.coordinator:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # No persistent compilation cache under jax.distributed on CPU: gloo collectives of programs
+    # both processes read back from it time out waiting for each other (reproduced with jax 0.12.1:
+    # the pair's second run on one cache folder fails, every time; docs/sharding.md).
+    jax.config.update("jax_enable_compilation_cache", False)
     jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    from jax.experimental import multihost_utils
+
+    assert_equal = multihost_utils.assert_equal
+
+    def counted(*a, **k):
+      checks[0] += 1
+      return assert_equal(*a, **k)
+
+    multihost_utils.assert_equal = counted
   import jax.numpy as jnp
   import numpy as np
 
@@ -165,9 +179,11 @@ def main() -> int:
         enable_expert_parallel=c["enable_expert_parallel"],
         enable_prefix_caching=c["prefix"],
         kv_offload="host" if c["prefix"] else None,
+        greedy_step=False,  # every run asks for log-probs: a greedy variant would compile and never run
       ),
     )
     warm = engine.warmup()
+    checks_before = checks[0]
     # Each cache array's row bytes: whole, and on one device (KDA states split by head: a share).
     cache_rows = {n: [a.shape[1], a.addressable_shards[0].data.shape[1]] for n, a in engine.executor.caches.items()}
     if c["mtp"] or c["chunked"]:
@@ -185,6 +201,7 @@ def main() -> int:
       "loaded": loaded,
       "drafts": engine.num_draft_tokens,
       "cache_rows": cache_rows,
+      "cross_process_checks": checks[0] - checks_before,  # in the steps after warm-up
     }
     if c["prefix"]:  # past a 128-token block: the second time, the first block comes from the cache
       long_prompts = [p * 6 for p in prompts]

@@ -82,29 +82,19 @@ def test_generate_json_on_the_embedded_model(capsys):
 
 
 def test_bench_json(capsys):
-  assert (
-    main(
-      [
-        "bench",
-        "--batch",
-        "2",
-        "--context",
-        "9",
-        "--steps",
-        "3",
-        "--buckets",
-        "16",
-        "--max-num-batched-tokens",
-        "16",
-        "--json",
-      ]
-    )
-    == 0
-  )
+  args = ["bench", "--batch", "2", "--context", "9", "--steps", "3", "--buckets", "16"]
+  args += ["--max-num-batched-tokens", "16", "--json"]
+  assert main(args) == 0
   out = json.loads(capsys.readouterr().out)
   assert out["decode_steps"] == 3 and out["decode_tokens"] == 6 and out["decode_tokens_per_s"] > 0
   assert out["compilations_at_end"] == out["compilations_after_warmup"]
   assert (out["tensor_parallel_size"], out["data_parallel_size"], out["enable_expert_parallel"]) == (1, 1, False)
+  # Without the greedy variant: one executable fewer at warm-up, and the same tokens.
+  assert main(["bench", *args[1:], "--no-greedy-step"]) == 0
+  off = json.loads(capsys.readouterr().out)
+  assert off["output_tokens_sha256"] == out["output_tokens_sha256"]
+  assert out["greedy_step"] and not off["greedy_step"]
+  assert off["compilations_at_end"] == off["compilations_after_warmup"]
 
 
 def test_argument_errors_name_the_flag_before_any_model_is_built(capsys, tmp_path):

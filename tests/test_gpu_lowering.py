@@ -40,11 +40,19 @@ KERNELS = {
 }
 
 
-def lower(num_tokens, target="NVIDIA H200", chunks=False, **cache):
+def lower(num_tokens, target="NVIDIA H200", chunks=False, greedy_only=False, **cache):
   with gpu_target(target):
     runner = FAMILY.from_shapes(get_config("glm-5.3-flash-slice4"), dtype="bfloat16")
     plan = plan_for(runner, CacheConfig(**{**BENCH, **cache}))
-    lowered = lower_step(runner, plan, max_num_reqs=32, num_tokens=num_tokens, linear_chunks=chunks, platform="cuda")
+    lowered = lower_step(
+      runner,
+      plan,
+      max_num_reqs=32,
+      num_tokens=num_tokens,
+      linear_chunks=chunks,
+      greedy_only=greedy_only,
+      platform="cuda",
+    )
     return triton_kernels(lowered)
 
 
@@ -59,6 +67,12 @@ def test_the_benchmark_step_lowers_every_kernel_to_triton(num_tokens):
   (sparse,) = by_name(kernels, "sparse_mla_decode")
   assert sparse.grid[:2] == (num_tokens, 1) and sparse.num_warps == 8  # 64 heads in one 64-row tile
   assert all(k.ttir.startswith("module") and "tt.func" in k.ttir for k in kernels)
+
+
+def test_the_greedy_variant_lowers_no_sampler_kernel():
+  """The decode step of an all-greedy batch without log-probs (``greedy_only``): every kernel of the
+  model, and not the top-k of the sampler's log-probs."""
+  assert {k.name for k in lower(32, greedy_only=True)} == KERNELS - {"top_k"}
 
 
 def test_chunked_prefill_lowers_chunk_kda_in_its_variant_only():

@@ -82,6 +82,34 @@ def test_released_config_through_the_model_hyper_connection():
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
+def test_bf16_streams_project_as_float64_would():
+  """The model's mHC in bf16 projects the streams in bf16 with float32 products and sums, rho
+  applied after the GEMM: its weights agree with the spec's float64 arithmetic (normalize, then
+  project) to float32 rounding, where a bf16 sum is off by ~1e-3."""
+  from flax import nnx
+
+  from models.glm5_next.model import HyperConnection
+
+  config = get_config("glm-5.3-flash-tiny")
+  hc = HyperConnection(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+  shape = (2, 9, config.hc_mult, config.hidden_size)
+  streams = jnp.asarray(np.random.default_rng(6).standard_normal(shape) * 4, jnp.bfloat16)
+  post, comb, _ = hc(streams)
+  x = np.asarray(streams.astype(jnp.float32), np.float64).reshape(2, 9, -1)
+  x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + config.rms_norm_eps)
+  mixed = x @ np.asarray(hc.fn[...].astype(jnp.float32), np.float64).T
+  _, want_post, want_comb = mhc_mix_reference(
+    jnp.asarray(mixed, jnp.float32),
+    hc.scale[...],
+    hc.base[...],
+    n=config.hc_mult,
+    eps=config.hc_eps,
+    iters=config.hc_sinkhorn_iters,
+  )
+  np.testing.assert_allclose(post, want_post, rtol=2e-5, atol=1e-6)
+  np.testing.assert_allclose(comb, want_comb, rtol=2e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize(
   "mixed_shape,scale_shape,base_shape,kw,match",
   [

@@ -10,9 +10,12 @@ mesh, so top-5 log-probabilities agree to 1e-5 (measured: <= 1.5e-6), tokens and
 import json
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 
 import numpy as np
 
@@ -23,10 +26,61 @@ ROOT = WORKER.parent.parent
 def _env(devices: int) -> dict:
   return {
     **os.environ,
-    "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+    # A collective still waiting for a peer after 120 s fails, naming itself (XLA's default waits
+    # far past the test's limit; see _run). A peer compiling the same program under load is
+    # seconds behind, not minutes.
+    "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} --xla_cpu_collective_timeout_seconds=120",
     "JAX_PLATFORMS": "cpu",
     "PYTHONPATH": str(ROOT),
+    "PYTHONFAULTHANDLER": "1",  # SIGABRT prints every thread's Python stack (see _run)
   }
+
+
+class WorkersFailed(AssertionError):
+  """A worker exited non-zero: every process's exit code and stderr tail."""
+
+  def __init__(self, errors: list[str], codes: list[int]):
+    self.errors = errors
+    super().__init__(
+      "\n".join(f"--- process {i}: exit {c}\n{e[-4000:]}" for i, (c, e) in enumerate(zip(codes, errors)))
+    )
+
+
+def _run(cmds: list[list[str]], env: dict, timeout: float = 420) -> list[str]:
+  """Runs the commands side by side and returns each one's stdout; fails with every process's
+  stderr tail if one exits non-zero, or with their Python stacks if they outlive ``timeout``.
+
+  Output goes to files, not pipes: a process whose unread pipe fills would block, and under
+  ``jax.distributed`` its peer with it, inside a collective. A process that fails is given 30 s
+  before its peers (then waiting on it in a collective) are stopped."""
+  with tempfile.TemporaryDirectory() as tmp:
+    files = [(open(f"{tmp}/{i}.out", "w+"), open(f"{tmp}/{i}.err", "w+")) for i in range(len(cmds))]
+    procs = [subprocess.Popen(c, env=env, stdout=o, stderr=e, text=True) for c, (o, e) in zip(cmds, files)]
+    deadline, failed_at = time.monotonic() + timeout, None
+    while None in [p.poll() for p in procs]:  # a list: every process polled, so each returncode is set
+      now = time.monotonic()
+      if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+        failed_at = now
+      if now > deadline or (failed_at is not None and now > failed_at + 30):
+        for p in procs:
+          if p.poll() is None:
+            p.send_signal(signal.SIGABRT)  # faulthandler: the stacks where it waits
+        time.sleep(5)
+        for p in procs:
+          p.kill()
+          p.wait()
+        break
+      time.sleep(0.5)
+    texts = []
+    for o, e in files:
+      o.seek(0)
+      e.seek(0)
+      texts.append((o.read(), e.read()))
+      o.close()
+      e.close()
+  if any(p.returncode != 0 for p in procs):
+    raise WorkersFailed([err for _, err in texts], [p.returncode for p in procs])
+  return [out for out, _ in texts]
 
 
 def _check_against(run: dict, base: dict, atol: float = 1e-5) -> None:
@@ -38,11 +92,8 @@ def _check_against(run: dict, base: dict, atol: float = 1e-5) -> None:
 
 
 def _run_worker(configs: str) -> dict:
-  out = subprocess.run(
-    [sys.executable, str(WORKER), "--configs", configs], env=_env(8), capture_output=True, text=True, timeout=600
-  )
-  assert out.returncode == 0, out.stderr[-3000:]
-  result = json.loads(out.stdout)
+  (out,) = _run([[sys.executable, str(WORKER), "--configs", configs]], _env(8))
+  result = json.loads(out)
   assert result["device_count"] == 8
   for name, run in result["runs"].items():
     assert run["compiled_at_end"] == run["compiled_in_warmup"], f"{name} compiled after warm-up"
@@ -106,25 +157,51 @@ def test_mtp_drafting_on_a_mesh_matches_one_device():
   assert result["runs"]["2x2e-mtp"]["drafts"] > 0
 
 
-def test_two_processes_under_jax_distributed_match_hf():
+_NAN_AT_LOAD = """
+import json, sys, warnings
+import jax.numpy as jnp
+from jaxkv.engine import make_mesh
+from models.glm5_next.checkpoint import load_checkpoint
+with warnings.catch_warnings(record=True) as caught:
+  warnings.simplefilter("always")
+  _, model = load_checkpoint(sys.argv[1], dtype=jnp.float32, mesh=make_mesh(2, 2))
+print(json.dumps([str(w.message) for w in caught if w.category is RuntimeWarning]))
+"""
+
+
+def test_an_infinity_in_one_shard_is_said_at_load(tmp_path):
+  """On a 2x2 mesh each device checks its own blocks (no collective at load): one infinity in the
+  vocabulary split of ``lm_head`` is named."""
+  from safetensors.numpy import load_file, save_file
+
+  tensors = load_file(ROOT / "tests" / "fixtures" / "hf" / "tiny" / "model.safetensors")
+  row = tensors["lm_head.weight"].shape[0] - 1  # the last device's block of the split
+  tensors["lm_head.weight"][row, 3] = np.inf
+  (tmp_path / "config.json").write_text((ROOT / "tests" / "fixtures" / "hf" / "tiny" / "config.json").read_text())
+  save_file(tensors, tmp_path / "model.safetensors")
+  (out,) = _run([[sys.executable, "-c", _NAN_AT_LOAD, str(tmp_path)]], _env(4))
+  (message,) = json.loads(out.strip().splitlines()[-1])
+  assert "NaN or infinite values in 1 tensors (['lm_head.weight'])" in message
+
+
+def _two_processes() -> list[str]:
   with socket.socket() as s:
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
   cmd = [sys.executable, str(WORKER), "--configs", "1x2", "--coordinator", f"localhost:{port}", "--num-processes", "2"]
-  procs = [
-    subprocess.Popen(
-      cmd + ["--process-id", str(i)], env=_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    for i in range(2)
-  ]
-  outs = [p.communicate(timeout=600) for p in procs]
-  for p, (_, err) in zip(procs, outs):
-    assert p.returncode == 0, err[-3000:]
+  return _run([cmd + ["--process-id", str(i)] for i in range(2)], _env(1))
+
+
+def test_two_processes_under_jax_distributed_match_hf():
+  outs = _two_processes()
   # Process 0 prints the JSON as its last line (gloo logs its connections to stdout before it).
-  result = json.loads(outs[0][0].strip().splitlines()[-1])
-  assert '"runs"' not in outs[1][0]
+  result = json.loads(outs[0].strip().splitlines()[-1])
+  assert '"runs"' not in outs[1]
   assert result["process_count"] == 2 and result["device_count"] == 2
   run = result["runs"]["1x2"]
   assert run["tokens"] == result["hf_greedy"]
+  # Each process places its own copy of the step's inputs: no per-step all-gather and host sync
+  # to check the processes agree (jax.device_put's multihost_utils.assert_equal).
+  assert run["cross_process_checks"] == 0
   # Loaded by shard: process 0 read exactly what its device holds, less than the whole model.
   assert run["loaded"]["read"] == run["loaded"]["held"] < run["loaded"]["model"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Sequence
 
@@ -41,7 +43,8 @@ def benchmark_decode(
   prefix cache (``prefill_warm_s``, ``num_cached_tokens``).
 
   Returns the measured numbers (prefill seconds, per-step latency percentiles, decode tokens/s,
-  acceptance rate, compile counts, and ``profile`` when traced).
+  acceptance rate, compile counts, and ``profile`` when traced) and a digest of the tokens the
+  requests had by the end of the timed steps (``output_tokens_sha256``).
   """
   t0 = time.perf_counter()
   engine.warmup()  # every token bucket, as vLLM captures its graphs
@@ -68,6 +71,9 @@ def benchmark_decode(
       f"decode_new_tokens(...) = room for the steps they decode while the others prefill."
     )
   drafted, accepted = engine.num_draft_tokens - drafted, engine.num_accepted_tokens - accepted
+  # What the requests said by the end of the timed steps: equal digests, equal tokens (an A/B of
+  # two settings that must not change them, on the device that timed them).
+  digest = hashlib.sha256(json.dumps([r.output_token_ids for r in reqs]).encode()).hexdigest()[:16]
   profile = None
   if profile_dir is not None:
     import jax
@@ -110,6 +116,7 @@ def benchmark_decode(
     "context": len(prompts[0]),
     "decode_steps": len(lat),
     "decode_tokens": tokens,
+    "output_tokens_sha256": digest,
     "finished_before_the_end": finished_early,
     "prefill_s": prefill_s,
     **warm,

@@ -75,6 +75,11 @@ class EngineConfig:
       ``shard``): heads, MLP widths and the vocabulary split over ``tensor``; the routed experts
       split by width over ``tensor``, or with expert parallelism whole experts over all devices.
       ``data_parallel_size`` > 1 widens the expert split and needs ``enable_expert_parallel``.
+    greedy_step: also compile each decode bucket's step (``greedy_buckets``) without the
+      sampler's distribution, taken by the steps whose sampling rows are all greedy and ask for no
+      log-probs (vLLM's sampler skips that work the same way, on ``all_greedy``): no softmax,
+      nucleus search, draw or top log-probs. Tokens are identical either way (the argmax of the
+      same logits); ``warmup()`` compiles one more variant per decode bucket. False: one variant.
   """
 
   cache: CacheConfig = CacheConfig()
@@ -92,6 +97,7 @@ class EngineConfig:
   tensor_parallel_size: int = 1
   data_parallel_size: int = 1
   enable_expert_parallel: bool = False
+  greedy_step: bool = True
 
   def __post_init__(self):
     if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
@@ -143,6 +149,17 @@ class EngineConfig:
       return tuple(sorted(self.buckets))
     b = [x for x in (2**i for i in range(3, 20)) if x < self.max_num_batched_tokens]
     return tuple(b) + (self.max_num_batched_tokens,)
+
+  @property
+  def greedy_buckets(self) -> tuple[int, ...]:
+    """The buckets with a greedy variant (``greedy_step``): those up to the one that holds a decode
+    step of every request row (``max_num_reqs x (1 + drafts)`` tokens). Larger steps are prefill,
+    where the sampler's share is small."""
+    if not self.greedy_step:
+      return ()
+    buckets = self.token_buckets
+    decode = self.max_num_reqs * (1 + self.num_speculative_tokens)
+    return tuple(b for b in buckets if b <= next((x for x in buckets if x >= decode), buckets[-1]))
 
 
 class LLMEngine:
@@ -213,6 +230,7 @@ class LLMEngine:
       mesh=self.mesh,
     )
     self._async = config.async_scheduling and k == 0
+    self._greedy_buckets = frozenset(config.greedy_buckets)  # read by every step's launch
     # The step in flight (async scheduling): its chunks and its packed outputs, not yet read back.
     self._in_flight: tuple[list, jax.Array] | None = None
     self._requests: dict[str, Request] = {}
@@ -318,10 +336,13 @@ class LLMEngine:
     also the steps that serve requests asking for them (else compiled at their first use).
     Returns ``num_compilations``."""
     chunked = self.config.cache.linear_prefill_chunk is not None
-    for bucket in self.config.token_buckets:
-      for plp in (False, True)[: 1 + prompt_logprobs]:
-        for lc in (False, True)[: 1 + chunked]:
-          self.executor.read_back(self._launch([], bucket, prompt_logprobs=plp, linear_chunks=lc)[0])
+    variants = itertools.product(
+      self.config.token_buckets, (False, True)[: 1 + prompt_logprobs], (False, True)[: 1 + chunked], (False, True)
+    )
+    for bucket, plp, lc, go in variants:
+      if go and (bucket not in self._greedy_buckets or plp):  # steps _launch never makes greedy
+        continue
+      self.executor.read_back(self._launch([], bucket, prompt_logprobs=plp, linear_chunks=lc, greedy_only=go)[0])
     self._copy_blocks([], warmup=True)
     return self.num_compilations
 
@@ -384,12 +405,21 @@ class LLMEngine:
     self._requests.pop(request.request_id, None)
     return StepOutput(request.request_id, [], [], True, "error", request.num_cached_tokens)
 
-  def _launch(self, chunks, bucket: int, *, prompt_logprobs: bool = False, linear_chunks: bool = False):
+  def _launch(
+    self,
+    chunks,
+    bucket: int,
+    *,
+    prompt_logprobs: bool = False,
+    linear_chunks: bool = False,
+    greedy_only: bool | None = None,
+  ):
     """Lays the chunks out in ``bucket`` tokens and dispatches the jitted step (one transfer in).
     Returns the packed outputs and prompt log-probs (None unless a chunk computes prompt tokens of
     a request that asks for them, or ``prompt_logprobs``) without waiting for them (None when no
     chunk could be laid out), the chunks laid out, and ``(request, error)`` for the others, whose
-    tokens stay padding."""
+    tokens stay padding. ``greedy_only``: the step variant (None: the greedy one where the bucket
+    has it and no sampling chunk samples or asks for log-probs)."""
     k = self.config.num_speculative_tokens
     prompt_logprobs = prompt_logprobs or any(
       c.request.sampling.prompt_logprobs is not None and c.start < len(c.request.prompt_token_ids) - 1 for c in chunks
@@ -398,7 +428,13 @@ class LLMEngine:
     linear_chunks = linear_chunks or (
       grid is not None and any(c.start < len(c.request.prompt_token_ids) // grid * grid for c in chunks)
     )
-    packing = self.executor.packing(bucket, prompt_logprobs, linear_chunks)
+    if greedy_only is None:
+      greedy_only = (
+        bucket in self._greedy_buckets
+        and not prompt_logprobs
+        and not any(c.request.sampling.temperature > 0 or c.request.sampling.logprobs for c in chunks if c.samples)
+      )
+    packing = self.executor.packing(bucket, prompt_logprobs, linear_chunks, greedy_only)
     buf = packing.template.copy()
     v = packing.host_views(buf)
     laid_out, failed = [], []
@@ -498,8 +534,9 @@ class LLMEngine:
         req.output_logprobs.append(lps)
         new_ids.append(token)
         new_lps.append(lps)
-        own.append((float(token_lp[row, j]), int(token_rank[row, j])))
-        req.output_token_logprobs.append(own[-1])
+        if req.sampling.logprobs:  # a greedy-only step computes none (zeros)
+          own.append((float(token_lp[row, j]), int(token_rank[row, j])))
+          req.output_token_logprobs.append(own[-1])
         if token in req.sampling.stop_token_ids:
           reason = "stop"
         elif len(req.output_token_ids) >= req.sampling.max_tokens:
@@ -524,7 +561,7 @@ class LLMEngine:
           reason,
           req.num_cached_tokens,
           prompt_lps,
-          own if req.sampling.logprobs else [],
+          own,
         )
       )
     return outputs

@@ -72,6 +72,8 @@ def sample(
   draft_ids: Int[Array, "R S-1"],
   num_drafts: Int[Array, " R"],
   select_top=None,
+  *,
+  greedy_only: bool = False,
 ) -> tuple[Int[Array, "R S"], Int[Array, " R"], Float[Array, "R S K"], Int[Array, "R S K"]]:
   """Verifies each row's drafts and samples its next tokens.
 
@@ -100,6 +102,9 @@ def sample(
     draft_ids: ``[R, S-1]`` drafts (entries past ``num_drafts`` are ignored).
     num_drafts: ``[R]`` drafts to verify, ``0 .. S-1``.
     select_top: the top-k of the log-probs (``logprob_stats``).
+    greedy_only: every row is greedy and wants no log-probs (static; vLLM's ``all_greedy`` with no
+      ``max_num_logprobs``): the tokens are the argmaxes, exactly as above, and neither the
+      distribution, its nucleus and draw nor the log-probs are computed: those outputs are zeros.
 
   Returns:
     ``tokens [R, S]`` (entries ``0 .. num_accepted`` are the row's new tokens), ``num_accepted
@@ -110,14 +115,33 @@ def sample(
   r, s, v = logits.shape
   logits = logits.astype(jnp.float32)
   greedy = jnp.argmax(logits, axis=-1)  # [R, S]
-  hot = temperature > 0
   idx = jnp.arange(s)
   is_draft = idx[None, :] < num_drafts[:, None]  # [R, S]: position i verifies draft i
   drafts = jnp.concatenate([draft_ids, jnp.zeros((r, 1), draft_ids.dtype)], axis=1).astype(jnp.int32)
+  tokens = greedy.astype(jnp.int32) if greedy_only else _draw(logits, greedy, temperature, top_p, top_k, seeds, steps)
+  # Drafts are accepted while they equal the tokens; the token after them is the next one.
+  num_accepted = jnp.sum(jnp.cumprod((drafts == tokens) & is_draft, axis=1), axis=1).astype(jnp.int32)
+  if greedy_only:
+    top = min(MAX_LOGPROBS, v)
+    no_stats = (
+      jnp.zeros((r, s, top), jnp.float32),
+      jnp.zeros((r, s, top), jnp.int32),
+      jnp.zeros((r, s), jnp.float32),
+      jnp.zeros((r, s), jnp.int32),
+    )
+    return (tokens, num_accepted) + no_stats
+  return (tokens, num_accepted) + logprob_stats(logits, tokens, select_top)
 
+
+def _draw(logits, greedy, temperature, top_p, top_k, seeds, steps) -> Int[Array, "R S"]:
+  """``sample``'s tokens: each hot row's draw from its top-k / top-p distribution, each greedy
+  row's argmax (``greedy [R, S]``)."""
+  r, s, v = logits.shape
+  hot = temperature > 0
   # One executable for every batch, greedy or not, and no device-to-host sync inside the step:
   # a ``lax.cond`` on "any row samples" reads its predicate on the host (XLA's GPU conditional),
-  # which stopped the host from dispatching a step ahead. The nucleus is found without a sort.
+  # which stopped the host from dispatching a step ahead (the host picks ``greedy_only`` instead).
+  # The nucleus is found without a sort.
   scaled = logits / jnp.where(hot, temperature, 1.0)[:, None, None]
   # One materialized copy for the floor search and the mask: XLA's GPU fusions may each recompute
   # the softmax, rounding differently, and a floor found on one copy can then lie above every
@@ -130,13 +154,10 @@ def sample(
   floor = nucleus_floor(probs, row_limits[0], nucleus_ways(r * s), row_limits[1])
   masked = jnp.where(probs >= floor, scaled, -jnp.inf)  # log-weights of p_i
   keys = jax.vmap(lambda sd, st: jax.random.fold_in(jax.random.key(sd), st))(
-    jnp.repeat(seeds, s), (steps[:, None] + idx).reshape(-1)
+    jnp.repeat(seeds, s), (steps[:, None] + jnp.arange(s)).reshape(-1)
   )  # [R * S]
   drawn = jax.vmap(jax.random.categorical)(keys, masked.reshape(r * s, v)).reshape(r, s)
-  tokens = jnp.where(hot[:, None], drawn, greedy).astype(jnp.int32)
-  # Drafts are accepted while they equal the tokens; the token after them is the next one.
-  num_accepted = jnp.sum(jnp.cumprod((drafts == tokens) & is_draft, axis=1), axis=1).astype(jnp.int32)
-  return (tokens, num_accepted) + logprob_stats(logits, tokens, select_top)
+  return jnp.where(hot[:, None], drawn, greedy).astype(jnp.int32)
 
 
 def logprob_stats(logits: Float[Array, "... V"], token_ids: Int[Array, "..."], select_top=None):

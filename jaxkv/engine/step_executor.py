@@ -26,6 +26,7 @@ from jaxkv.engine.model_runner import ModelRunner
 from jaxkv.engine.parallel import cache_shardings, replicated
 from jaxkv.engine.request import MAX_LOGPROBS
 from jaxkv.engine.sampler import logprob_stats, sample
+from jaxkv.placement import host_to_device, one_device
 from jaxkv.step.block_copy import BlockRegions, copy_blocks, pad_block_ids
 from jaxkv.step.step_inputs import StepInputs
 from jaxkv.step.step_metadata import StepMetadataSpec
@@ -54,6 +55,9 @@ class PackedInputs:
   # Some token lies below its prompt's chunk bound (chunked linear-attention prefill): the step
   # carries the prompt lengths and runs the chunked path. Decode steps compile without it.
   linear_chunks: bool = False
+  # Every sampling row is greedy and wants no log-probs: the step takes argmaxes and computes no
+  # distribution (``sample``'s ``greedy_only``). The outputs keep their layout (log-probs zero).
+  greedy_only: bool = False
 
   @functools.cached_property
   def fields(self) -> dict[str, tuple[int, tuple[int, ...], int]]:
@@ -202,6 +206,7 @@ def _device_step(statics: _StepStatics, packing: PackedInputs, param_leaves, cac
     v["seeds"],
     v["steps"],
     prompt_logprobs=packing.prompt_logprobs,
+    greedy_only=packing.greedy_only,
   )
   out, plp = _pack_outputs(*out), None if plp is None else _pack_outputs(*plp)
   if statics.replicated is not None:
@@ -229,6 +234,7 @@ def _step(
   steps,
   *,
   prompt_logprobs: bool = False,
+  greedy_only: bool = False,
 ):
   """The step's metadata, the trunk over the step's tokens, verification and sampling of each
   sampling row, then the drafts for the next step.
@@ -243,6 +249,7 @@ def _step(
   log-probabilities and ids [R, S, K], drafts [R, k], the tokens' log-probabilities and ranks
   [R, S])``, with ``prompt_logprobs`` every token's
   next-token log-probs (``_next_token_logprobs``; else None), the caches and the kernel tables.
+  ``greedy_only``: every sampling row is greedy and wants no log-probs (``sample``).
   """
   runner, layout = statics.runner, statics.layout
   # The named scopes (and the model's) let a profile count each part's kernels (jaxkv.profiling).
@@ -261,9 +268,12 @@ def _step(
   with jax.named_scope("prompt_logprobs"):
     plp = _next_token_logprobs(runner, params, hidden, next_ids) if prompt_logprobs else None
   logits = runner.compute_logits(params, hidden[jnp.maximum(sample_indices, 0)])  # [R, S, V]
+  # Materialized as they are, whatever reads them: a greedy row's argmax then reads the same bits in
+  # either sampler variant, so its tokens do not depend on its batch-mates' sampling settings.
+  logits = jax.lax.optimization_barrier(logits)
   with jax.named_scope("sampler"):
     tokens, num_accepted, top_lp, top_ids, token_lp, token_rank = sample(
-      logits, temperature, top_p, top_k, seeds, steps, draft_ids, num_drafts, runner.top_k
+      logits, temperature, top_p, top_k, seeds, steps, draft_ids, num_drafts, runner.top_k, greedy_only=greedy_only
     )
   k = statics.num_speculative_tokens
   if k:
@@ -348,6 +358,7 @@ def lower_step(
   num_speculative_tokens: int = 0,
   prompt_logprobs: bool = False,
   linear_chunks: bool = False,
+  greedy_only: bool = False,
   step_metadata_implementation: str = "auto",
   platform: str | None = None,
 ) -> jax.stages.Lowered:
@@ -362,7 +373,13 @@ def lower_step(
   leaves, treedef = jax.tree.flatten(runner.params)
   statics = _step_statics(runner, plan, num_speculative_tokens, step_metadata_implementation, treedef)
   packing = PackedInputs(
-    num_tokens, max_num_reqs, tuple(plan.block_table_widths()), num_speculative_tokens, prompt_logprobs, linear_chunks
+    num_tokens,
+    max_num_reqs,
+    tuple(plan.block_table_widths()),
+    num_speculative_tokens,
+    prompt_logprobs,
+    linear_chunks,
+    greedy_only,
   )
   spec = lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype)
   caches = {t.name: t.shape_dtype() for t in plan.tensors}
@@ -413,10 +430,10 @@ class StepExecutor:
     # The state the step carries (caches, kernel tables) is committed to its device from the start,
     # on one device too: a swap-in's or a load's device_put commits the caches, and a step whose
     # arguments change from uncommitted to committed compiles again (another signature).
-    one_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    self._placement = self._replicated or one_device  # the step's inputs and outputs
-    self.caches = plan.allocate(self._cache_shardings or {t.name: one_device for t in plan.tensors})
-    self.kernel_tables = jax.device_put(plan.init_kernel_block_tables(max_num_reqs), self._placement)
+    device = one_device(jax.local_devices()[0])
+    self._placement = self._replicated or device  # the step's inputs and outputs
+    self.caches = plan.allocate(self._cache_shardings or {t.name: device for t in plan.tensors})
+    self.kernel_tables = host_to_device(plan.init_kernel_block_tables(max_num_reqs), self._placement)
     # Prefix caching's state checkpoints and restores: whole state blocks copied on the device, at
     # most one per request row and state group per call (one compiled shape).
     groups = plan.kv_cache_groups
@@ -434,25 +451,25 @@ class StepExecutor:
       self._replicated,
       self._cache_shardings,
     )
-    self._packings: dict[tuple[int, bool], PackedInputs] = {}
+    self._packings: dict[tuple[int, bool, bool, bool], PackedInputs] = {}
     self.out_shapes = _out_shapes(max_num_reqs, num_speculative_tokens, runner.vocab_size)
-    self._prev_out = jax.device_put(jnp.zeros(_out_size(self.out_shapes), jnp.int32), self._placement)
+    self._prev_out = host_to_device(np.zeros(_out_size(self.out_shapes), np.int32), self._placement)
     self.num_compilations = 0
 
-  def packing(self, bucket: int, prompt_logprobs: bool = False, linear_chunks: bool = False) -> PackedInputs:
-    """The input layout of a step of ``bucket`` tokens."""
-    key = (bucket, prompt_logprobs, linear_chunks)
+  def packing(
+    self, bucket: int, prompt_logprobs: bool = False, linear_chunks: bool = False, greedy_only: bool = False
+  ) -> PackedInputs:
+    """The input layout of a step of ``bucket`` tokens (and the step variant it compiles)."""
+    key = (bucket, prompt_logprobs, linear_chunks, greedy_only)
     if key not in self._packings:
-      self._packings[key] = PackedInputs(
-        bucket, self.max_num_reqs, self.widths, self.num_speculative_tokens, prompt_logprobs, linear_chunks
-      )
+      self._packings[key] = PackedInputs(bucket, self.max_num_reqs, self.widths, self.num_speculative_tokens, *key[1:])
     return self._packings[key]
 
   def launch(self, packing: PackedInputs, buf: np.ndarray) -> tuple[jax.Array, jax.Array | None]:
     """Dispatches the step on ``buf`` (``packing``'s layout; one host-to-device transfer) and returns
     its packed outputs and prompt log-probs (None unless ``packing.prompt_logprobs``) without
     waiting for them."""
-    packed = jax.device_put(buf, self._placement)
+    packed = host_to_device(buf, self._placement)
     compiled = _device_step._cache_size()
     out, plp, self.caches, self.kernel_tables = _device_step(
       self.statics, packing, self.param_leaves, self.caches, self.kernel_tables, packed, self._prev_out

@@ -140,6 +140,26 @@ def _strip(name: str) -> str | None:
   return name
 
 
+def _finite_here(values: list[jax.Array]) -> np.ndarray:
+  """Whether each array is finite in the shards this process holds: ``[len(values)]`` bools.
+
+  Each device checks its own blocks (``shard_map``), so loading runs no collective: a NaN on another
+  process's devices is that process's warning, and loading waits on no other process."""
+  check = lambda *xs: jnp.stack([jnp.isfinite(x).all() for x in xs])
+  if not all(isinstance(v.sharding, jax.sharding.NamedSharding) for v in values):  # one device, unsharded
+    return np.asarray(jax.jit(check)(*values))
+  mesh = values[0].sharding.mesh
+  local = jax.shard_map(
+    lambda *xs: check(*xs)[None],
+    mesh=mesh,
+    in_specs=tuple(v.sharding.spec for v in values),
+    out_specs=jax.sharding.PartitionSpec(mesh.axis_names),
+    check_vma=False,
+  )
+  blocks = jax.jit(local)(*values)  # [devices, len(values)]: one row per device
+  return np.all([np.asarray(s.data)[0] for s in blocks.addressable_shards], axis=0)
+
+
 def load_checkpoint(
   model_path: str | pathlib.Path, *, dtype=None, check_weights: bool = False, mesh=None, expert_parallel: bool = False
 ) -> tuple[Glm5NextConfig, Glm5NextForCausalLM]:
@@ -241,11 +261,9 @@ def load_checkpoint(
   if problems:
     raise ValueError(f"checkpoint {model_path} does not match the glm5_next config: " + "; ".join(problems))
   model = nnx.merge(graphdef, nnx.from_flat_state(leaves))
-  if not check_weights:  # one pass on the device: say so once, rather than NaN log-probs later
+  if not check_weights:  # one pass on the devices: say so once, rather than NaN log-probs later
     flat = nnx.to_flat_state(nnx.state(model))
-    finite = np.asarray(
-      jax.jit(lambda xs: jnp.stack([jnp.isfinite(x).all() for x in xs]))([v.get_value() for _, v in flat])
-    )
+    finite = _finite_here([v.get_value() for _, v in flat])
     bad = [checkpoint_name(path, config.num_hidden_layers) for (path, _), ok in zip(flat, finite) if not ok]
     if bad:
       warnings.warn(

@@ -54,9 +54,10 @@ def _param(rngs: nnx.Rngs | None, shape, dtype, std=0.1, mean=0.0):
   return nnx.Param((mean + std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
 
 
-def _linear(x, w):
-  """``x @ w.T`` for a PyTorch-layout ``[out, in]`` weight, at full precision."""
-  return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), precision=_HP)
+def _linear(x, w, out_dtype=None):
+  """``x @ w.T`` for a PyTorch-layout ``[out, in]`` weight, at full precision (``out_dtype``: the
+  products' and sums' dtype, default ``x``'s)."""
+  return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), precision=_HP, preferred_element_type=out_dtype)
 
 
 class Linear(nnx.Module):
@@ -109,9 +110,14 @@ class HyperConnection(nnx.Module):
   def __call__(self, streams: Float[Array, "B T N D"], mix=None):
     """``mix``: the pre / post / comb weights from the mixing logits, ``mhc_mix``'s signature
     (default: ``mhc_mix_reference``; the paged step passes the kernel)."""
-    flat = streams.reshape(*streams.shape[:-2], -1).astype(jnp.float32)
-    flat = flat * jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + self.norm_eps)
-    mixed = _linear(flat, self.fn[...].astype(jnp.float32))
+    flat = streams.reshape(*streams.shape[:-2], -1)
+    # rho applied after the projection (equal in exact arithmetic: the spec, 3.1): the GEMM reads
+    # the streams once in their own dtype with float32 products and sums (a bf16 product is exact in
+    # float32) instead of a normalized float32 copy of them, [T, N * D] written and read again.
+    fn = self.fn[...]
+    mixed = _linear(flat.astype(jnp.promote_types(flat.dtype, fn.dtype)), fn, jnp.float32)
+    wide = flat.astype(jnp.float32)
+    mixed = mixed * jax.lax.rsqrt(jnp.mean(wide * wide, axis=-1, keepdims=True) + self.norm_eps)
     pre, post, comb = (mix or mhc_mix_reference)(
       mixed, self.scale[...], self.base[...], n=self.n, eps=self.eps, iters=self.iters
     )

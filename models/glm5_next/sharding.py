@@ -22,6 +22,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxkv.placement import host_to_device
+
+
 __all__ = [
   "DATA",
   "TENSOR",
@@ -247,9 +250,9 @@ class ModelSharding:
       value = var.get_value()
       target = NamedSharding(self.mesh, partition_spec(name, value.shape, expert_parallel=self.expert_parallel))
       if not (isinstance(value, jax.Array) and value.sharding.is_equivalent_to(target, value.ndim)):
-        # From host memory: device_put of a host array to a sharding works across processes too
-        # (each process places its own devices' slices). Arrays loaded by shard
-        # (``load_checkpoint(..., mesh=)``) are already in place.
-        value = jax.device_put(np.asarray(value), target)
+        # From host memory, each process placing its own devices' slices (no cross-process check
+        # of the whole tensor). Arrays loaded by shard (``load_checkpoint(..., mesh=)``) are
+        # already in place.
+        value = host_to_device(np.asarray(value), target)
       placed.append((path, var.replace(value=value)))
     return nnx.from_flat_state(placed)
