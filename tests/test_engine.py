@@ -3,6 +3,7 @@ reliability at the boundary."""
 
 import re
 import threading
+import warnings
 
 import jax
 import numpy as np
@@ -270,3 +271,25 @@ def test_unseeded_requests_draw_fresh_seeds():
   seeds_b = [b.add_request(f"r{i}", prompts()[0], hot).seed for i in range(4)]
   assert len(set(seeds_a)) == 4 and seeds_a != seeds_b and all(0 <= s < 2**31 for s in seeds_a)
   assert a.add_request("fixed", prompts()[0], SamplingParams(seed=9)).seed == 9
+
+
+def test_cpu_processes_with_a_persistent_cache_are_warned(monkeypatch):
+  """Under jax.distributed on CPU the engine's first collective names the compilation cache that
+  makes gloo time out (docs/sharding.md); with the cache off it says nothing."""
+  from jax.experimental import multihost_utils
+
+  from jaxkv.engine import engine as engine_module
+
+  cache = jax.config.jax_compilation_cache_dir  # the suite's own (tests/conftest.py)
+  assert cache and jax.config.jax_enable_compilation_cache
+  monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", lambda x: x)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  with pytest.warns(RuntimeWarning, match=rf"2 CPU processes .*{re.escape(repr(cache))}.*jax_enable_compilation_cache"):
+    engine_module._agreed_entropy()
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      engine_module._agreed_entropy()
+  finally:
+    jax.config.update("jax_enable_compilation_cache", True)

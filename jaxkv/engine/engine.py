@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import secrets
 import threading
+import warnings
 from collections.abc import Iterable, Sequence
 
 import jax
@@ -40,6 +41,22 @@ def _agreed_entropy() -> int:
   value = secrets.randbits(31)
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
+
+    if (
+      jax.default_backend() == "cpu"
+      and jax.config.jax_enable_compilation_cache
+      and jax.config.jax_compilation_cache_dir
+    ):
+      # Seen with jax 0.12.1: gloo programs that every process reads back from the persistent cache
+      # wait on each other until the collective timeout (docs/sharding.md).
+      warnings.warn(
+        f"{jax.process_count()} CPU processes with the persistent compilation cache on "
+        f"({jax.config.jax_compilation_cache_dir!r}): gloo collectives of programs read back from it can "
+        "time out waiting for each other; unset JAX_COMPILATION_CACHE_DIR or set "
+        'jax.config.update("jax_enable_compilation_cache", False) in every process',
+        RuntimeWarning,
+        stacklevel=3,
+      )
 
     value = int(multihost_utils.broadcast_one_to_all(np.int32(value)))
   return value
