@@ -9,7 +9,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # XLA's compiled programs kept on disk, shared by pytest's workers, the subprocesses tests start
 # and the next run: many tests build engines of the same shapes, whose steps compile to the same
 # programs. A warm cache runs a file again in a third of the time (test_prefix_caching.py: 94 ->
-# 36 s); a cold one (CI) gains little (2-core suite: 16:35 and 17:04, against 16:04-18:45 without).
+# 36 s); a cold one gains little (2-core suite: 16:35 and 17:04, against 16:04-18:45 without). CI's
+# machine keeps it between runs. Processes under jax.distributed turn it off (sharded_engine_worker.py:
+# gloo programs read back from it time out waiting for their peer).
 # jit's own cache (what the engine's compile counts read) is per process and unaffected. No
 # JAX_COMPILATION_CACHE_MAX_SIZE: its eviction lists the whole folder at every write, which slowed
 # the suite past the uncached one; the folder is emptied at a run's start instead, once it is large.
