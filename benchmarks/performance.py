@@ -410,17 +410,14 @@ def main() -> int:
     need = decode_bytes(runner, row["batch"], args.context, routing["distinct_experts"], args.kv_cache_dtype)
     roof_ms = need["total_bytes"] / bandwidth * 1e3
     uniform = expected_distinct_experts(config.n_routed_experts, config.num_experts_per_tok, row["batch"])
+    uniform_bytes = decode_bytes(runner, row["batch"], args.context, uniform, args.kv_cache_dtype)["total_bytes"]
     row.update(
       {
         **routing,
         **need,
         "roofline_bandwidth_TBps": bandwidth / 1e12,
         "uniform_distinct_experts": uniform,
-        "uniform_routing_roofline_ms": decode_bytes(runner, row["batch"], args.context, uniform, args.kv_cache_dtype)[
-          "total_bytes"
-        ]
-        / bandwidth
-        * 1e3,
+        "uniform_routing_roofline_ms": uniform_bytes / bandwidth * 1e3,
         "roofline_ms": roof_ms,
         "roofline_fraction": roof_ms / row["step_ms_p50"],
       }

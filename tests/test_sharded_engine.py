@@ -36,16 +36,6 @@ def _env(devices: int) -> dict:
   }
 
 
-class WorkersFailed(AssertionError):
-  """A worker exited non-zero: every process's exit code and stderr tail."""
-
-  def __init__(self, errors: list[str], codes: list[int]):
-    self.errors = errors
-    super().__init__(
-      "\n".join(f"--- process {i}: exit {c}\n{e[-4000:]}" for i, (c, e) in enumerate(zip(codes, errors)))
-    )
-
-
 def _run(cmds: list[list[str]], env: dict, timeout: float = 420) -> list[str]:
   """Runs the commands side by side and returns each one's stdout; fails with every process's
   stderr tail if one exits non-zero, or with their Python stacks if they outlive ``timeout``.
@@ -79,7 +69,11 @@ def _run(cmds: list[list[str]], env: dict, timeout: float = 420) -> list[str]:
       o.close()
       e.close()
   if any(p.returncode != 0 for p in procs):
-    raise WorkersFailed([err for _, err in texts], [p.returncode for p in procs])
+    raise AssertionError(
+      "\n".join(
+        f"--- process {i}: exit {p.returncode}\n{err[-4000:]}" for i, (p, (_, err)) in enumerate(zip(procs, texts))
+      )
+    )
   return [out for out, _ in texts]
 
 

@@ -123,9 +123,8 @@ class Request:
   seed: int = 0  # the sampling seed (``sampling.seed``, or fresh entropy when that is None)
   output_token_ids: list[int] = dataclasses.field(default_factory=list)
   output_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
-  output_token_logprobs: list[tuple[float, int]] = dataclasses.field(
-    default_factory=list
-  )  # own (log-prob, rank), with logprobs
+  # Each output token's own (log-prob, rank), kept when ``sampling.logprobs`` asks for log-probs.
+  output_token_logprobs: list[tuple[float, int]] = dataclasses.field(default_factory=list)
   # With ``sampling.prompt_logprobs``: per prompt position from 1, the prompt token's log-prob,
   # its rank (1: most probable) and the top candidates as (id, log-prob).
   prompt_logprobs: list[PromptLogprob] = dataclasses.field(default_factory=list)
