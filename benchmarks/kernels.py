@@ -39,8 +39,8 @@ H_KDA, D_KDA = 64, 128  # KDA heads, head dim (K = V)
 def _moe_tilings(block_ms, persistent):
   """tokamax's own choice (``{}``: its heuristics, as it has no H200 data), then explicit tilings
   (N tiles fastest in the grid, its ``Config`` default)."""
-  return [{}] + [
-    dict(block_m=m, block_n=64, block_k=k, num_stages=s, split_k=1, persistent=p)
+  return [dict(path="tokamax")] + [
+    dict(path="tokamax", block_m=m, block_n=64, block_k=k, num_stages=s, split_k=1, persistent=p)
     for m in block_ms
     for k in (128, 256)
     for s in (2, 4)
@@ -82,12 +82,17 @@ SWEEP = [
     + [dict(prepare_block_k=b, prepare_warps=w) for b in (32, 64) for w in (4, 8)]
     + [dict(block_v=b, num_warps=w) for b in (16, 32, 64) for w in (4, 8)],
   ),
-  # tokamax's Mosaic GPU ragged dot at the MoE's shapes: decode steps (a few rows per expert), then
-  # prefill steps of 2048 and 8192 tokens.
+  # The MoE's grouped matmul at decode steps (a few rows per expert): the Pallas kernel's tilings
+  # beside tokamax's own; then tokamax's tilings at prefill steps of 2048 and 8192 tokens.
   (
     "grouped_matmul",
     [dict(tokens=t, proj=p) for t in (1, 32) for p in ("gate_up", "down")],
-    _moe_tilings((16, 64), (False,)),
+    [dict(path="tokamax"), {}]
+    + [
+      dict(block_n=n, block_k=k, num_stages=s)
+      for n, k, s in ((64, 128, 4), (256, 128, 4), (128, 64, 4), (128, 128, 3), (128, 256, 3))
+    ]
+    + [dict(block_n=128, block_k=128, num_warps=8), dict(block_n=256, block_k=64, num_stages=5)],
   ),
   (
     "grouped_matmul",
@@ -241,12 +246,13 @@ def bench_sparse_mla(batch, ctx, impl, iters, repeats, cache_dtype="bfloat16", *
   return t, nbytes
 
 
-def bench_grouped_matmul(tokens, proj, impl, iters, repeats, **tune):
+def bench_grouped_matmul(tokens, proj, impl, iters, repeats, path=None, **tune):
   """One routed-expert projection of the released MoE: ``tokens`` x 8 rows (each token's 8 experts
   drawn uniformly, rows sorted by expert) times ``[288, K, N]`` bf16 weights; ``proj`` ``"gate_up"``
   (K 4096, N 2048: gate and up each run one) or ``"down"`` (2048 -> 4096). ``impl``: ``"pallas"``
-  is tokamax's kernel, ``tune`` its tiling. Bytes: the weights of the experts that have rows, the
-  rows in and out (prefill sizes are bound by the matmul rate instead: ``2 M K N`` FLOPs)."""
+  (``path="tokamax"``: tokamax's kernel), ``"tokamax"`` or ``"xla"``; ``tune`` the kernel's
+  tiling. Bytes: the weights of the experts that have rows, the rows in and out (prefill sizes are
+  bound by the matmul rate instead: ``2 M K N`` FLOPs)."""
   import jax
   import jax.numpy as jnp
   from pallas_kernels.grouped_matmul import grouped_matmul
@@ -257,7 +263,7 @@ def bench_grouped_matmul(tokens, proj, impl, iters, repeats, **tune):
   k, n = (D_MOE, F_MOE) if proj == "gate_up" else (F_MOE, D_MOE)
   w = jax.random.normal(jax.random.key(8), (E_MOE, k, n), jnp.bfloat16)
   x = jax.random.normal(jax.random.key(9), (tokens * K_MOE, k), jnp.bfloat16)
-  implementation = "tokamax" if impl == "pallas" else impl
+  implementation = path or impl
 
   def step(x_, c):
     out = grouped_matmul(x_, c[0], c[1], implementation=implementation, tiling=tune or None)
@@ -576,6 +582,9 @@ def run(args):
     cases.append(("kpool_compress", dict(tokens=t)))
   for t in (256, 8192):
     cases.append(("step_metadata", dict(tokens=t)))
+  for t in (1, 8, 32, 64, 2048):  # the MoE: decode batches and a prefill step
+    for proj in ("gate_up", "down"):
+      cases.append(("grouped_matmul", dict(tokens=t, proj=proj)))
   for reqs, t in ((1, 2048), (2, 1024), (16, 128)):
     cases.append(("kda_chunk", dict(reqs=reqs, tokens=t)))
   for t in (1, 32, 2048):  # decode batches and a prefill step's tokens
@@ -644,6 +653,8 @@ def run(args):
       impls.append(("scatter", {}))
     if name == "kda_chunk":
       impls.append(("recurrent", {}))
+    if name == "grouped_matmul":  # XLA's ragged dot reads every expert on a GPU: tokamax is the peer
+      impls = [("pallas", {}), ("tokamax", {})]
     for impl, tune in impls:
       try:
         t, nbytes = fns[name](**kw, impl=impl.removesuffix("_previous"), iters=args.iters, repeats=args.repeats, **tune)
@@ -657,6 +668,8 @@ def run(args):
       row["speedup_vs_xla"] = row["xla_us"] / row["pallas_us"]
     if "pallas_us" in row and "pallas_previous_us" in row:
       row["speedup_vs_previous"] = row["pallas_previous_us"] / row["pallas_us"]
+    if "pallas_us" in row and "tokamax_us" in row:
+      row["speedup_vs_tokamax"] = row["tokamax_us"] / row["pallas_us"]
     if "pallas_us" in row and "recurrent_us" in row:
       row["speedup_vs_recurrent"] = row["recurrent_us"] / row["pallas_us"]
     if "pallas_us" in row and "scatter_us" in row:
@@ -676,7 +689,7 @@ _SIZE_KEYS = ("batch", "reqs", "rows", "entries", "ctx", "tokens", "proj", "cach
 def _fmt(r):
   size = " ".join(f"{k}={r[k]}" for k in _SIZE_KEYS if k in r)
   cells = []
-  for impl in ("pallas", "pallas_previous", "xla", "recurrent"):
+  for impl in ("pallas", "pallas_previous", "xla", "recurrent", "tokamax"):
     if f"{impl}_us" in r:
       cells.append(f"{impl} {r[f'{impl}_us']:8.1f} us {100 * r[f'{impl}_frac_bw']:5.1f}%")
     elif f"{impl}_error" in r:
@@ -690,8 +703,8 @@ def table(result):
     f"{result['device']}, jax {result['jax']}, measured bandwidth {bw / 1e12:.2f} TB/s",
     "| kernel | size | MB moved | Pallas us | Pallas frac BW | previous Pallas us | speed-up vs previous "
     "| XLA us | XLA frac BW | Pallas speed-up vs XLA | Pallas time / bare XLA scatter | Pallas time / bare copy "
-    "| recurrent KDA us | speed-up vs recurrent |",
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    "| recurrent KDA us | speed-up vs recurrent | tokamax us | speed-up vs tokamax |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in result["rows"]:
     size = ", ".join(f"{k} {r[k]}" for k in _SIZE_KEYS if k in r)
@@ -702,7 +715,7 @@ def table(result):
       f"{cell('speedup_vs_previous', '%.2fx')} | {cell('xla_us', '%.1f')} | {cell('xla_frac_bw', '%.2f')} | "
       f"{cell('speedup_vs_xla', '%.2fx')} | {cell('pallas_over_bare_scatter', '%.2f')} | "
       f"{cell('pallas_over_bare_copy', '%.2f')} | {cell('recurrent_us', '%.1f')} | "
-      f"{cell('speedup_vs_recurrent', '%.2fx')} |"
+      f"{cell('speedup_vs_recurrent', '%.2fx')} | {cell('tokamax_us', '%.1f')} | {cell('speedup_vs_tokamax', '%.2fx')} |"
     )
   return "\n".join(lines)
 

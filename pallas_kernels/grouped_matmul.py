@@ -5,38 +5,164 @@ group ``g``'s rows (rows past ``sum(group_sizes)`` are zero). Weights are in the
 ``[groups, K, N]`` (converted once at checkpoint load; HF's ``[out, in]`` lives only at the
 checkpoint boundary), so no step transposes them.
 
-Implementations (chosen by measurement, ``docs/performance.md``):
+Implementations (chosen by measurement, ``docs/performance.md`` and ``docs/kernels.md``):
 
-* ``"tokamax"``: ``tokamax.ragged_dot``'s Pallas Mosaic GPU kernel for Hopper. It reads each routed
-  expert's weights once (tiles of experts without rows do nothing) and materializes nothing
-  beyond its output, at every token count.
+* ``"pallas"``: the kernel below, for decode steps, a few rows per expert (vLLM's ``fused_moe``
+  Triton kernel is the model): each group's rows in blocks of ``block_m`` (16), one program per
+  (row block, ``block_n`` output columns) streaming that block's expert tile ``[K, block_n]``
+  through a pipelined loop. Row blocks are listed in XLA from ``group_sizes`` (a static upper
+  bound of them, the unused ones doing nothing), so only the routed experts' weights are read.
+  A row's arithmetic is its own (one MMA row; the K loop in a fixed order), so a token's output
+  does not depend on the other rows of its step.
+* ``"tokamax"``: ``tokamax.ragged_dot``'s Pallas Mosaic GPU kernel for Hopper, for prefill-sized
+  steps. It reads each routed expert's weights once (tiles of experts without rows do nothing)
+  and materializes nothing beyond its output. Its tiles are 64 rows: at decode sizes it reads an
+  expert's 1-8 rows as a 64-row tile and runs 64 x 64 output tiles through a 2-stage pipeline,
+  about two thirds of the copy bandwidth (docs/performance.md).
 * ``"xla"``: ``jax.lax.ragged_dot``. The CPU path and the tests' reference. On a GPU, XLA lowers it
   to a dense dot with the group axis folded into the contraction: it reads every expert's weights
   and at 16k rows of the released model tried to allocate 36 GiB (platform.md), so it is not a
   serving path there.
-* ``"auto"``: ``"tokamax"`` for bf16 / fp16 rows on a GPU where tokamax is installed
-  (``pip install '.[cuda13]'``), else ``"xla"`` (float32 runs stay exact).
+* ``"auto"``: on a GPU for bf16 / fp16 rows, ``"pallas"`` up to ``PALLAS_MAX_ROWS`` rows (decode
+  buckets) and ``"tokamax"`` above where tokamax is installed (``pip install '.[cuda13]'``),
+  else ``"pallas"``; ``"xla"`` elsewhere (float32 runs stay exact). The choice depends only on the
+  call's static shape, so each token bucket runs one path and the bitwise claims, made within a
+  bucket, hold.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
-import warnings
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels._common import resolve_implementation
 from jaxkv.gpu_target import target_backend
+from pallas_kernels._common import MIN_DOT_ROWS, default_interpret
 
 __all__ = [
+  "PALLAS_MAX_ROWS",
   "grouped_matmul",
   "grouped_matmul_reference",
   "grouped_matmul_implementation",
   "prepare_grouped_matmul",
 ]
+
+IMPLEMENTATIONS = ("auto", "pallas", "tokamax", "xla")
+# "auto" runs the Pallas kernel up to this many rows (tokens x experts per token: 256 is a decode
+# step of 32 tokens with 8 experts each) and tokamax above (docs/kernels.md, "The MoE's grouped
+# matmul").
+PALLAS_MAX_ROWS = 256
+# The Pallas kernel's tiling: rows of one expert per block (Triton's smallest dot tile), output
+# columns and contraction per loop step, warps and pipeline stages (docs/kernels.md).
+TILING = dict(block_m=MIN_DOT_ROWS, block_n=128, block_k=128, num_warps=4, num_stages=4)
+
+
+def _grouped_matmul_kernel(
+  group_ref, start_ref, rows_ref, lhs_ref, rhs_ref, out_ref, *, block_m, block_n, block_k, precision
+):
+  # group_ref / start_ref / rows_ref: [B] each row block's group (-1: rows past the groups, written
+  # as zeros), first row and row count (0: an unused block); lhs_ref: [M, K]; rhs_ref: [G, K, N];
+  # out_ref: [M, N]. Program (b, j): block b's rows times its group's columns j * block_n + [0, block_n).
+  b, j = pl.program_id(0), pl.program_id(1)
+  m, k = lhs_ref.shape
+  n = out_ref.shape[1]
+  g = group_ref[b]
+  rows = start_ref[b] + jnp.arange(block_m, dtype=jnp.int32)
+  live = jnp.arange(block_m, dtype=jnp.int32) < rows_ref[b]
+  cols = j * block_n + jnp.arange(block_n, dtype=jnp.int32)
+  col_in = cols < n
+  ge = jnp.maximum(g, 0)
+
+  def step(i, acc):
+    ks = i * block_k + jnp.arange(block_k, dtype=jnp.int32)
+    k_in = ks < k
+    # Dead rows read row m - 1 (masked): every address stays inside.
+    x = pltriton.load(lhs_ref.at[jnp.minimum(rows, m - 1)[:, None], ks[None, :]], mask=live[:, None] & k_in[None, :], other=0)
+    w = pltriton.load(rhs_ref.at[ge, ks[:, None], cols[None, :]], mask=k_in[:, None] & col_in[None, :], other=0)
+    return acc + jnp.dot(x, w, precision=precision, preferred_element_type=jnp.float32)
+
+  # No branch around the loop (it would keep Triton from pipelining it): blocks of no group loop
+  # zero times and store zeros, unused blocks store nothing.
+  steps = jnp.where(g >= 0, pl.cdiv(k, block_k), 0)
+  acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_n), jnp.float32))
+  pltriton.store(
+    out_ref.at[rows[:, None], cols[None, :]], acc.astype(out_ref.dtype), mask=live[:, None] & col_in[None, :]
+  )
+
+
+def _row_blocks(group_sizes: Int[Array, " G"], m: int, block_m: int):
+  """Each row block's ``(group, first row, rows)``, ``[B]`` int32 each: every group's rows in blocks
+  of ``block_m``, then the rows past the groups (group -1), then unused blocks (0 rows). ``B = min(G,
+  m) + m // block_m + cdiv(m, block_m)`` bounds the count for any sizes summing to at most ``m``:
+  a group of ``s > 0`` rows takes ``ceil(s / block_m) <= s // block_m + 1`` blocks."""
+  g = group_sizes.shape[0]
+  num_blocks = min(g, m) + m // block_m + pl.cdiv(m, block_m)
+  sizes = jnp.minimum(group_sizes.astype(jnp.int32), m)  # rows past m belong to no output
+  group_end = jnp.minimum(jnp.cumsum(sizes), m)
+  sizes = group_end - jnp.concatenate([jnp.zeros(1, jnp.int32), group_end[:-1]])
+  group_first = group_end - sizes
+  blocks = (sizes + block_m - 1) // block_m
+  blocks_end = jnp.cumsum(blocks)
+  b = jnp.arange(num_blocks, dtype=jnp.int32)
+  grp = jnp.searchsorted(blocks_end, b, side="right").astype(jnp.int32)  # g for blocks past the groups
+  in_groups = grp < g
+  gc = jnp.minimum(grp, g - 1)
+  local = b - (blocks_end[gc] - blocks[gc])  # the block's index within its group
+  start = group_first[gc] + local * block_m
+  rows = jnp.clip(sizes[gc] - local * block_m, 0, block_m)
+  # Past the groups: the rest of the m rows, zeros.
+  tail = b - blocks_end[-1]
+  tail_start = group_end[-1] + tail * block_m
+  tail_rows = jnp.clip(m - tail_start, 0, block_m)
+  return (
+    jnp.where(in_groups, grp, -1),
+    jnp.where(in_groups, start, tail_start),
+    jnp.where(in_groups, rows, tail_rows),
+  )
+
+
+def _check_tiling(tiling: dict) -> dict:
+  unknown = set(tiling) - set(TILING)
+  if unknown:
+    raise ValueError(f"tiling keys {sorted(unknown)} are not the Pallas kernel's; it takes {sorted(TILING)}.")
+  t = {**TILING, **tiling}
+  for key in ("block_m", "block_n", "block_k"):
+    v = t[key]
+    if v < MIN_DOT_ROWS or v & (v - 1):
+      raise ValueError(f"tiling {key}={v} must be a power of two >= {MIN_DOT_ROWS} (Triton's dot tiles).")
+  return t
+
+
+def _grouped_matmul_pallas(lhs, rhs, group_sizes, tiling, interpret):
+  m, k = lhs.shape
+  n = rhs.shape[2]
+  t = _check_tiling(tiling)
+  # Tiles no larger than the matrices need (powers of two, at least Triton's 16).
+  bn = min(t["block_n"], max(MIN_DOT_ROWS, pl.next_power_of_2(n)))
+  bk = min(t["block_k"], max(MIN_DOT_ROWS, pl.next_power_of_2(k)))
+  group, start, rows = _row_blocks(group_sizes, m, t["block_m"])
+  exact = lhs.dtype == jnp.float32
+  return pl.pallas_call(
+    functools.partial(
+      _grouped_matmul_kernel,
+      block_m=t["block_m"],
+      block_n=bn,
+      block_k=bk,
+      precision=jax.lax.Precision.HIGHEST if exact else None,
+    ),
+    out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype),
+    grid=(group.shape[0], pl.cdiv(n, bn)),
+    in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 5,
+    out_specs=pl.BlockSpec(memory_space=pl.ANY),
+    compiler_params=pltriton.CompilerParams(num_warps=t["num_warps"], num_stages=t["num_stages"]),
+    interpret=default_interpret(interpret),
+    name="grouped_matmul",
+  )(group, start, rows, lhs, rhs)
 
 
 @functools.cache
@@ -44,29 +170,24 @@ def _tokamax_available() -> bool:
   return importlib.util.find_spec("tokamax") is not None
 
 
-@functools.cache  # once per process
-def _warn_no_tokamax() -> None:
-  warnings.warn(
-    "the MoE's grouped matmul runs as XLA's ragged_dot on this GPU because tokamax is not "
-    "installed; ragged_dot reads every expert's weights each step (4.5x slower decode at batch 1 "
-    "on the H200, docs/performance.md). Install the '.[cuda13]' or '.[cuda12]' extra.",
-    RuntimeWarning,
-    stacklevel=3,
-  )
-
-
-def grouped_matmul_implementation(implementation: str, dtype=jnp.bfloat16) -> str:
-  """The path ``implementation`` runs as, by ``resolve_implementation``: tokamax's kernel runs here
-  for bf16 / fp16 on a GPU with tokamax installed (float32 stays on the exact XLA path)."""
+def grouped_matmul_implementation(implementation: str, dtype=jnp.bfloat16, rows: int | None = None) -> str:
+  """The path a call of ``rows`` rows (None: any size, as a prefill step's) runs as for
+  ``implementation`` (the module docstring: ``"auto"`` picks by dtype, backend and rows)."""
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}.")
   if implementation == "tokamax" and not _tokamax_available():
     raise ValueError(
-      "implementation='tokamax' needs the tokamax package (pip install tokamax, or the '.[cuda13]' extra); use 'xla'."
+      "implementation='tokamax' needs the tokamax package (pip install tokamax, or the '.[cuda13]' extra); "
+      "use 'pallas' or 'xla'."
     )
+  if implementation != "auto":
+    return implementation
   half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-  kernel_fits = half and target_backend() in ("gpu", "cuda")
-  if implementation == "auto" and kernel_fits and not _tokamax_available():
-    _warn_no_tokamax()
-  return resolve_implementation(implementation, kernel="tokamax", runs_here=kernel_fits and _tokamax_available())
+  if not (half and target_backend() in ("gpu", "cuda")):
+    return "xla"
+  if (rows is not None and rows <= PALLAS_MAX_ROWS) or not _tokamax_available():
+    return "pallas"
+  return "tokamax"
 
 
 def prepare_grouped_matmul(implementation: str = "auto", dtype=jnp.bfloat16) -> str:
@@ -89,30 +210,39 @@ def grouped_matmul(
   precision=None,
   implementation: str = "auto",
   tiling: dict | None = None,
+  interpret: bool | None = None,
 ) -> Float[Array, "M N"]:
   """``lhs`` rows grouped by ``group_sizes`` times their group's ``rhs`` matrix, in ``lhs.dtype``.
 
   Args:
     lhs: ``[M, K]`` rows sorted by group.
     rhs: ``[G, K, N]`` one matrix per group.
-    group_sizes: int32 ``[G]`` rows per group (``sum <= M``).
+    group_sizes: int32 ``[G]`` rows per group (``sum <= M``; rows past the groups are zeros).
     precision: the dot precision (the XLA path; the CPU reference runs HIGHEST).
-    implementation: ``"auto"``, ``"tokamax"`` or ``"xla"``.
-    tiling: fields of tokamax's ``PallasMosaicRaggedDotConfig`` for its kernel (tuning:
-      ``benchmarks/kernels.py --sweep --only grouped_matmul``; None: tokamax's choice).
+    implementation: ``"auto"``, ``"pallas"``, ``"tokamax"`` or ``"xla"`` (the module docstring).
+    tiling: the kernel's tiling, for tuning (``benchmarks/kernels.py --sweep --only
+      grouped_matmul``; None: the defaults): for ``"pallas"`` keys of ``TILING``, for ``"tokamax"``
+      fields of its ``PallasMosaicRaggedDotConfig``.
+    interpret: the Pallas kernel in interpret mode (None: on the CPU).
+
+  Example:
+    >>> gate = grouped_matmul(rows_by_expert, w_gate, tokens_per_expert)  # [M, 4096] x [288, 4096, 2048]
   """
   if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
     raise ValueError(f"lhs [M, K] and rhs [G, K, N] must agree in K, got {list(lhs.shape)} and {list(rhs.shape)}.")
   if group_sizes.shape != rhs.shape[:1] or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
     raise ValueError(f"group_sizes must be int[{rhs.shape[0]}], got {group_sizes.dtype}{list(group_sizes.shape)}.")
-  impl = grouped_matmul_implementation(implementation, lhs.dtype)
-  if tiling is not None and impl != "tokamax":
+  impl = grouped_matmul_implementation(implementation, lhs.dtype, rows=lhs.shape[0])
+  if tiling is not None and impl == "xla":
     raise ValueError(
-      f"tiling {tiling} is for tokamax's kernel, but this call runs {impl!r} (implementation="
-      f"{implementation!r}, {lhs.dtype} rows, {target_backend()}): drop tiling, or run bf16 rows "
-      "on a GPU with tokamax."
+      f"tiling {tiling} is for a kernel, but this call runs 'xla' (implementation={implementation!r}, "
+      f"{lhs.dtype} rows, {target_backend()}): drop tiling, or ask for 'pallas' or 'tokamax'."
     )
   rhs = rhs.astype(lhs.dtype)
+  if lhs.shape[0] == 0:  # no rows: nothing to launch
+    return jnp.zeros((0, rhs.shape[2]), lhs.dtype)
+  if impl == "pallas":
+    return _grouped_matmul_pallas(lhs, rhs, group_sizes, tiling or {}, interpret)
   if impl == "tokamax":
     import tokamax
 

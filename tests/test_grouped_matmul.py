@@ -1,9 +1,8 @@
 """The MoE's grouped matmul against its row-by-row definition, on random ragged groups.
 
-CI runs the XLA path (the CPU reference); on a GPU with tokamax installed the Mosaic GPU kernel is
-checked by the same tests (docs/performance.md says where it ran)."""
-
-import warnings
+CI runs the XLA path (the CPU reference) and the Pallas kernel interpreted (float32); on a GPU the
+kernel runs compiled in bf16, and with tokamax installed its Mosaic GPU kernel is checked by the
+same tests (docs/kernels.md says where they ran)."""
 
 import jax
 import jax.numpy as jnp
@@ -11,26 +10,35 @@ import numpy as np
 import pytest
 
 from pallas_kernels.grouped_matmul import (
+  PALLAS_MAX_ROWS,
   _tokamax_available,
   grouped_matmul,
   grouped_matmul_reference,
   grouped_matmul_implementation,
 )
 
-ON_GPU_WITH_TOKAMAX = jax.default_backend() in ("gpu", "cuda") and _tokamax_available()
-# (implementation, tiling): tokamax's kernel with its own tiling and with one the sweep tries.
+ON_GPU = jax.default_backend() in ("gpu", "cuda")
+ON_GPU_WITH_TOKAMAX = ON_GPU and _tokamax_available()
+# (implementation, tiling): each kernel with its own tiling and with one its sweep tries.
 TILE = dict(block_m=64, block_n=64, block_k=128, num_stages=4, split_k=1, persistent=False)
-PATHS = [("xla", None)] + ([("tokamax", None), ("tokamax", TILE)] if ON_GPU_WITH_TOKAMAX else [])
-DTYPE = jnp.bfloat16 if ON_GPU_WITH_TOKAMAX else jnp.float32
+PATHS = [("xla", None), ("pallas", None), ("pallas", dict(block_n=64, block_k=64, num_stages=3))] + (
+  [("tokamax", None), ("tokamax", TILE)] if ON_GPU_WITH_TOKAMAX else []
+)
+DTYPE = jnp.bfloat16 if ON_GPU else jnp.float32
+
+
+def _ragged(rng, m, groups, end=None):
+  """Random sizes with empty groups, summing to ``end`` (``m``: as the MoE's sorted token copies do)."""
+  end = m if end is None else end
+  cuts = np.sort(rng.integers(0, end + 1, groups - 1))
+  return np.diff(np.concatenate([[0], cuts, [end]])).astype(np.int32)
 
 
 @pytest.mark.parametrize("implementation, tiling", PATHS)
 @pytest.mark.parametrize("m, groups, k, n", [(8, 16, 128, 64), (67, 5, 256, 128), (512, 32, 128, 256)])
 def test_grouped_matmul_matches_definition(implementation, tiling, m, groups, k, n):
   rng = np.random.default_rng(m + groups)
-  # Ragged sizes with empty groups, summing to m (as the MoE's sorted token copies do).
-  cuts = np.sort(rng.integers(0, m + 1, groups - 1))
-  sizes = np.diff(np.concatenate([[0], cuts, [m]])).astype(np.int32)
+  sizes = _ragged(rng, m, groups)
   assert (sizes == 0).any() or groups > m // 2
   lhs = jnp.asarray(rng.standard_normal((m, k)), DTYPE)
   rhs = jnp.asarray(rng.standard_normal((groups, k, n)) / np.sqrt(k), DTYPE)
@@ -59,20 +67,59 @@ def test_rows_past_the_groups_are_zero_and_errors_name_shapes():
     grouped_matmul(lhs, rhs, jnp.asarray([1, 2, 3], jnp.int32))
   with pytest.raises(ValueError, match="must be one of"):
     grouped_matmul(lhs, rhs, sizes, implementation="cuda")
-  with pytest.raises(ValueError, match=r"tiling \{'block_m': 64\} is for tokamax's kernel, but this call runs 'xla'"):
+  with pytest.raises(ValueError, match=r"tiling \{'block_m': 64\} is for a kernel, but this call runs 'xla'"):
     grouped_matmul(lhs, rhs, sizes, implementation="auto", tiling={"block_m": 64})
+  with pytest.raises(ValueError, match=r"tiling keys \['persistent'\] are not the Pallas kernel's"):
+    grouped_matmul(lhs, rhs, sizes, implementation="pallas", tiling={"persistent": True})
+  with pytest.raises(ValueError, match="tiling block_n=48 must be a power of two"):
+    grouped_matmul(lhs, rhs, sizes, implementation="pallas", tiling={"block_n": 48})
   assert grouped_matmul_implementation("auto", jnp.float32) == "xla"  # float32 runs stay exact everywhere
 
 
-def test_auto_on_a_gpu_without_tokamax_warns_once(monkeypatch):
+@pytest.mark.parametrize("tokamax", [True, False])
+def test_auto_runs_the_pallas_kernel_for_decode_steps(monkeypatch, tokamax):
   import pallas_kernels.grouped_matmul as gm
 
-  monkeypatch.setattr(gm.jax, "default_backend", lambda: "gpu")
-  monkeypatch.setattr(gm, "_tokamax_available", lambda: False)
-  gm._warn_no_tokamax.cache_clear()
-  with pytest.warns(RuntimeWarning, match="tokamax is not installed"):
-    assert grouped_matmul_implementation("auto", jnp.bfloat16) == "xla"
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")  # said once per process
-    assert grouped_matmul_implementation("auto", jnp.bfloat16) == "xla"
-    assert grouped_matmul_implementation("auto", jnp.float32) == "xla"  # float32 never asks for tokamax
+  monkeypatch.setattr(gm, "target_backend", lambda: "gpu")
+  monkeypatch.setattr(gm, "_tokamax_available", lambda: tokamax)
+  assert grouped_matmul_implementation("auto", jnp.bfloat16, rows=PALLAS_MAX_ROWS) == "pallas"
+  # Prefill-sized steps (and prepare_grouped_matmul, which asks for any size): tokamax where it is.
+  big = "tokamax" if tokamax else "pallas"
+  assert grouped_matmul_implementation("auto", jnp.bfloat16, rows=PALLAS_MAX_ROWS + 1) == big
+  assert grouped_matmul_implementation("auto", jnp.bfloat16) == big
+  assert grouped_matmul_implementation("auto", jnp.float32, rows=8) == "xla"
+
+
+@pytest.mark.parametrize("m, end", [(40, 40), (40, 23), (5, 0)])
+def test_pallas_writes_every_row_and_zeros_past_the_groups(m, end):
+  # Interpreted, a kernel's output starts as NaN: a row no block wrote would show.
+  rng = np.random.default_rng(m + end)
+  sizes = _ragged(rng, m, 12, end)
+  lhs = jnp.asarray(rng.standard_normal((m, 48)), DTYPE)
+  rhs = jnp.asarray(rng.standard_normal((12, 48, 40)) / 7, DTYPE)
+  got = np.asarray(grouped_matmul(lhs, rhs, jnp.asarray(sizes), implementation="pallas"), np.float32)
+  assert np.isfinite(got).all()
+  assert not got[end:].any()
+  want = np.asarray(grouped_matmul_reference(lhs, rhs, jnp.asarray(sizes)))
+  tol = 2e-2 if DTYPE == jnp.bfloat16 else 1e-5
+  np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+def test_pallas_row_is_bitwise_the_same_in_any_group_layout():
+  """What the engine's bitwise claims need from the kernel: a token's output does not depend on the
+  other rows of its step, nor on where its row sits in its expert's blocks."""
+  rng = np.random.default_rng(3)
+  g, k, n = 6, 256, 128
+  rhs = jnp.asarray(rng.standard_normal((g, k, n)) / 16, DTYPE)
+  probe = rng.standard_normal((3, k))  # rows of groups 1, 1 and 4
+  outs = []
+  for before in (0, 5, 17):  # other rows of group 1 ahead of the probes: other blocks, other lanes
+    sizes = np.array([3, before + 2, 0, 9, 1, 4], np.int32)
+    lhs = rng.standard_normal((int(sizes.sum()), k))
+    at = [3 + before, 4 + before, int(sizes[:4].sum())]
+    lhs[at] = probe
+    got = grouped_matmul(jnp.asarray(lhs, DTYPE), rhs, jnp.asarray(sizes), implementation="pallas")
+    outs.append(np.asarray(got)[at])
+  bits = lambda a: a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
+  for other in outs[1:]:
+    np.testing.assert_array_equal(bits(other), bits(outs[0]))
