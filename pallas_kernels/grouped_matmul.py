@@ -88,7 +88,7 @@ def _grouped_matmul_kernel(
 
   # No branch around the loop (it would keep Triton from pipelining it): blocks of no group loop
   # zero times and store zeros, unused blocks store nothing.
-  steps = jnp.where(g >= 0, pl.cdiv(k, block_k), 0)
+  steps = jnp.where(g >= 0, jnp.int32(pl.cdiv(k, block_k)), jnp.int32(0))
   acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_n), jnp.float32))
   pltriton.store(
     out_ref.at[rows[:, None], cols[None, :]], acc.astype(out_ref.dtype), mask=live[:, None] & col_in[None, :]
