@@ -138,10 +138,12 @@ def _check_tiling(tiling: dict) -> dict:
   return t
 
 
-def _grouped_matmul_pallas(lhs, rhs, group_sizes, tiling, interpret):
+# Jitted: the MoE's calls of one shape are one function in the step's program.
+@functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
+def _grouped_matmul_pallas(lhs, rhs, group_sizes, tiling: tuple, interpret):
   m, k = lhs.shape
   n = rhs.shape[2]
-  t = _check_tiling(tiling)
+  t = _check_tiling(dict(tiling))
   # Tiles no larger than the matrices need (powers of two, at least Triton's 16).
   bn = min(t["block_n"], max(MIN_DOT_ROWS, pl.next_power_of_2(n)))
   bk = min(t["block_k"], max(MIN_DOT_ROWS, pl.next_power_of_2(k)))
@@ -242,7 +244,7 @@ def grouped_matmul(
   if lhs.shape[0] == 0:  # no rows: nothing to launch
     return jnp.zeros((0, rhs.shape[2]), lhs.dtype)
   if impl == "pallas":
-    return _grouped_matmul_pallas(lhs, rhs, group_sizes, tiling or {}, interpret)
+    return _grouped_matmul_pallas(lhs, rhs, group_sizes, tuple(sorted((tiling or {}).items())), interpret)
   if impl == "tokamax":
     import tokamax
 
