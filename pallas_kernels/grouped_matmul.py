@@ -82,7 +82,9 @@ def _grouped_matmul_kernel(
     ks = i * block_k + jnp.arange(block_k, dtype=jnp.int32)
     k_in = ks < k
     # Dead rows read row m - 1 (masked): every address stays inside.
-    x = pltriton.load(lhs_ref.at[jnp.minimum(rows, m - 1)[:, None], ks[None, :]], mask=live[:, None] & k_in[None, :], other=0)
+    x = pltriton.load(
+      lhs_ref.at[jnp.minimum(rows, m - 1)[:, None], ks[None, :]], mask=live[:, None] & k_in[None, :], other=0
+    )
     w = pltriton.load(rhs_ref.at[ge, ks[:, None], cols[None, :]], mask=k_in[:, None] & col_in[None, :], other=0)
     return acc + jnp.dot(x, w, precision=precision, preferred_element_type=jnp.float32)
 
