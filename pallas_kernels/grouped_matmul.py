@@ -104,7 +104,7 @@ def _row_blocks(group_sizes: Int[Array, " G"], m: int, block_m: int):
   a group of ``s > 0`` rows takes ``ceil(s / block_m) <= s // block_m + 1`` blocks."""
   g = group_sizes.shape[0]
   num_blocks = min(g, m) + m // block_m + pl.cdiv(m, block_m)
-  sizes = jnp.minimum(group_sizes.astype(jnp.int32), m)  # rows past m belong to no output
+  sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, m)  # rows past m belong to no output
   group_end = jnp.minimum(jnp.cumsum(sizes), m)
   sizes = group_end - jnp.concatenate([jnp.zeros(1, jnp.int32), group_end[:-1]])
   group_first = group_end - sizes
@@ -236,6 +236,8 @@ def grouped_matmul(
     raise ValueError(f"lhs [M, K] and rhs [G, K, N] must agree in K, got {list(lhs.shape)} and {list(rhs.shape)}.")
   if group_sizes.shape != rhs.shape[:1] or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
     raise ValueError(f"group_sizes must be int[{rhs.shape[0]}], got {group_sizes.dtype}{list(group_sizes.shape)}.")
+  if rhs.shape[0] == 0:
+    raise ValueError(f"rhs {list(rhs.shape)} holds no group: the MoE needs at least one expert.")
   impl = grouped_matmul_implementation(implementation, lhs.dtype, rows=lhs.shape[0])
   if tiling is not None and impl == "xla":
     raise ValueError(

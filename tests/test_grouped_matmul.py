@@ -63,6 +63,8 @@ def test_rows_past_the_groups_are_zero_and_errors_name_shapes():
   assert not np.asarray(grouped_matmul(lhs, rhs, sizes, implementation="xla"))[3:].any()
   with pytest.raises(ValueError, match=r"must agree in K, got \[6, 8\] and \[2, 7, 4\]"):
     grouped_matmul(lhs, jnp.ones((2, 7, 4)), sizes)
+  with pytest.raises(ValueError, match=r"rhs \[0, 8, 4\] holds no group"):
+    grouped_matmul(lhs, jnp.ones((0, 8, 4)), jnp.zeros((0,), jnp.int32))
   with pytest.raises(ValueError, match=r"group_sizes must be int\[2\]"):
     grouped_matmul(lhs, rhs, jnp.asarray([1, 2, 3], jnp.int32))
   with pytest.raises(ValueError, match="must be one of"):
