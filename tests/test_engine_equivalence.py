@@ -20,6 +20,7 @@ import json
 import pathlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -62,11 +63,11 @@ def cfg(**kw) -> EngineConfig:
   return EngineConfig(cache=cache, **{"buckets": (64,), **{k: v for k, v in kw.items() if k not in CACHE_FIELDS}})
 
 
-def run(config: EngineConfig, *, alone=False, eager=False, sampling=SAMPLING, implementation="xla", ps=None):
+def run(config: EngineConfig, *, alone=False, eager=False, sampling=SAMPLING, implementation="xla", ps=None, m=None):
   ps = ps or prompts()
   groups = [[p] for p in ps] if alone else [list(ps)]
   out = []
-  engine = LLMEngine(runner(implementation), config)  # alone: one request after another, on recycled blocks
+  engine = LLMEngine(runner(implementation, m), config)  # alone: one request after another, on recycled blocks
   for group in groups:
     if eager:
       with jax.disable_jit():
@@ -100,6 +101,21 @@ VARIANTS = {
 def test_bitwise_identical_across_layouts_and_schedules(name):
   got, _ = run(VARIANTS[name])
   assert got == baseline(), name
+
+
+@functools.lru_cache(maxsize=None)
+def bf16_model():
+  return Glm5NextForCausalLM(CFG, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+
+
+def test_bf16_model_bitwise_across_blocks_chunks_and_batching():
+  """The serving dtype. On a GPU its MoE runs the grouped matmul's Pallas decode kernel here (64
+  tokens x 2 experts a step), whose rows must not depend on the other rows of a step: a request
+  alone, chunked at 7 or batched puts its tokens in other rows of other expert blocks."""
+  base, _ = run(cfg(), m=bf16_model())
+  assert run(cfg(block_size=128), m=bf16_model())[0] == base
+  assert run(cfg(max_num_batched_tokens=7), m=bf16_model())[0] == base
+  assert run(cfg(), alone=True, m=bf16_model())[0] == base
 
 
 def test_alone_equals_batched():
