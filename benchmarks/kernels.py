@@ -37,8 +37,8 @@ H_KDA, D_KDA = 64, 128  # KDA heads, head dim (K = V)
 
 
 def _moe_tilings(block_ms, persistent):
-  """tokamax's own choice (``{}``: its heuristics, as it has no H200 data), then explicit tilings
-  (N tiles fastest in the grid, its ``Config`` default)."""
+  """tokamax's own choice (no tiling: its heuristics, as it has no H200 data), then explicit
+  tilings (N tiles fastest in the grid, its ``Config`` default)."""
   return [dict(path="tokamax")] + [
     dict(path="tokamax", block_m=m, block_n=64, block_k=k, num_stages=s, split_k=1, persistent=p)
     for m in block_ms
