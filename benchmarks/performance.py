@@ -257,6 +257,12 @@ def main() -> int:
   p.add_argument("--context", type=int, default=1024)
   p.add_argument("--steps", type=int, default=32)
   p.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens (prefill chunk)")
+  p.add_argument(
+    "--long-prefill-token-threshold",
+    default="0",
+    help="EngineConfig.long_prefill_token_threshold (tokens of one request a step; 0: off), or several "
+    "comma-separated, each run in turn",
+  )
   p.add_argument("--implementation", default="auto", choices=("auto", "xla", "pallas"))
   p.add_argument(
     "--profile", default=None, help="trace each batch's decode steps into DIR/bB (the step's HLO into DIR/hlo)"
@@ -293,6 +299,7 @@ def main() -> int:
   if not set(args.greedy_step.split(",")) <= {"on", "off"}:
     p.error(f"--greedy-step {args.greedy_step!r}: want on, off or on,off")
   greedy_steps = [g == "on" for g in args.greedy_step.split(",")]
+  thresholds = [int(t) for t in args.long_prefill_token_threshold.split(",")]
   rows = []
 
   def emit(row):
@@ -318,7 +325,7 @@ def main() -> int:
   if args.explain_cache_misses:  # a compilation after warm-up says why
     jax.config.update("jax_explain_cache_misses", True)
   from jaxkv.engine import EngineConfig, LLMEngine, get_model_family
-  from jaxkv.engine.benchmark import benchmark_decode, decode_new_tokens
+  from jaxkv.engine.benchmark import benchmark_decode, decode_new_tokens, prefill_steps
   from jaxkv.cache.kv_cache_config import CacheConfig
   import numpy as np
 
@@ -342,7 +349,10 @@ def main() -> int:
   runs = []
   for batch in batches:
     prompts = [list(rng.integers(1, config.vocab_size, args.context)) for _ in range(batch)]
-    new_tokens = decode_new_tokens(batch, args.context, args.budget, args.steps, 8 if args.profile else 0)
+    new_tokens = max(
+      decode_new_tokens(batch, args.context, args.budget, args.steps, 8 if args.profile else 0, 0, t)
+      for t in thresholds
+    )
     for linear_prefill in args.linear_prefill.split(","):
       cache = CacheConfig(
         block_size=1024,
@@ -354,12 +364,15 @@ def main() -> int:
         memory_bytes=int(args.memory_gib * 2**30),
         max_model_len=args.max_model_len or args.context + new_tokens + 64,
       )
-      for meta, greedy_step in itertools.product(args.metadata_implementations.split(","), greedy_steps):
+      for meta, greedy_step, threshold in itertools.product(
+        args.metadata_implementations.split(","), greedy_steps, thresholds
+      ):
         # Decode steps run exactly `batch` tokens (no padding routed through the MoE); prefill the budget.
         engine_config = EngineConfig(
           cache=cache,
           max_num_reqs=batch,
           max_num_batched_tokens=args.budget,
+          long_prefill_token_threshold=threshold,
           buckets=tuple(sorted({batch, args.budget})),
           step_metadata_implementation=meta,
           greedy_step=greedy_step,
@@ -371,6 +384,7 @@ def main() -> int:
           steps=args.steps,
           new_tokens=new_tokens,
           profile_dir=f"{args.profile}/b{batch}-{meta}-{linear_prefill}-greedy-{'on' if greedy_step else 'off'}"
+          f"-lp{threshold}"
           if args.profile
           else None,
           hlo_dir=hlo_dir,
@@ -402,7 +416,7 @@ def main() -> int:
   # cleared. Runs of one batch and prefill path serve the same tokens (equal digests), so route alike.
   routings = {}
   for row, prompts, new_tokens, engine_config in runs:
-    key = (row["batch"], row["linear_prefill"], row["output_tokens_sha256"])
+    key = (row["batch"], row["linear_prefill"], row["long_prefill_token_threshold"], row["output_tokens_sha256"])
     if key not in routings:
       jax.clear_caches()
       routings[key] = routed_experts_per_step(LLMEngine(runner, engine_config), prompts, new_tokens, args.steps)
@@ -422,7 +436,7 @@ def main() -> int:
         "roofline_fraction": roof_ms / row["step_ms_p50"],
       }
     )
-    steps = -(-row["batch"] * args.context // args.budget)
+    steps = prefill_steps(row["batch"], args.context, args.budget, row["long_prefill_token_threshold"])
     pre = prefill_roofline(runner, row["prefill_flops"], steps, routing["prefill_distinct_experts"], bandwidth, gemm)
     row.update({**pre, "prefill_roofline_fraction": pre["prefill_roofline_s"] / row["prefill_s"]})
     emit({**row, "system": "jaxkv_roofline"})
@@ -436,6 +450,8 @@ def main() -> int:
     h = peer.get(r["batch"], {})
     speed = f"{h['step_ms'] / r['step_ms_p50']:.1f}x" if h else "-"
     label = f"{r['batch']}" + ("" if r["greedy_step"] else " (greedy step off)")
+    if r["long_prefill_token_threshold"]:
+      label += f" ({r['long_prefill_token_threshold']} tokens a request a step)"
     print(
       f"| {label} | {r['step_ms_p50']:.2f} | {h.get('step_ms', '-')} | {speed} | "
       f"{r['decode_tokens_per_s']:.1f} | {h.get('decode_tok_s', '-')} | {r['roofline_ms']:.2f} | "

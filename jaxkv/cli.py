@@ -30,6 +30,7 @@ _FLAGS = {
   "linear_prefill": "--linear-prefill",
   "num_speculative_tokens": "--num-spec",
   "max_num_batched_tokens": "--max-num-batched-tokens",
+  "long_prefill_token_threshold": "--long-prefill-token-threshold",
   "max_num_reqs": "--max-num-reqs",
   "kv_cache_dtype": "--kv-cache-dtype",
   "indexer_cache_dtype": "--indexer-cache-dtype",
@@ -234,6 +235,7 @@ def _engine(args, family, config, max_len: int):
     cache=cache,
     max_num_reqs=args.max_num_reqs,
     max_num_batched_tokens=args.max_num_batched_tokens,
+    long_prefill_token_threshold=args.long_prefill_token_threshold,
     buckets=args.buckets,
     enable_prefix_caching=args.enable_prefix_caching,
     kv_offload=args.kv_offload,
@@ -581,7 +583,13 @@ def cmd_bench(args) -> int:
   prompts = [list(rng.integers(1, config.vocab_size, args.context)) for _ in range(args.batch)]
   profile_steps = 8 if args.profile else 0
   new_tokens = decode_new_tokens(
-    args.batch, args.context, args.max_num_batched_tokens, args.steps, profile_steps, args.num_spec
+    args.batch,
+    args.context,
+    args.max_num_batched_tokens,
+    args.steps,
+    profile_steps,
+    args.num_spec,
+    args.long_prefill_token_threshold,
   )
   engine = _engine(args, family, config, args.context + new_tokens)
   print(
@@ -794,6 +802,13 @@ def _add_engine_args(p):
   )
   p.add_argument("--max-num-reqs", type=_positive, default=8, help="request rows per step")
   p.add_argument("--max-num-batched-tokens", type=_positive, default=64, help="token budget per step")
+  p.add_argument(
+    "--long-prefill-token-threshold",
+    type=int,
+    default=0,
+    help="the most tokens one request runs in a step (vLLM's; 0: off): long prompts' chunks share each "
+    "step, which keeps more of the KDA recurrence's programs busy (docs/engine.md)",
+  )
   p.add_argument(
     "--implementation",
     choices=("auto", "xla", "pallas"),

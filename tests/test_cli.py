@@ -121,6 +121,10 @@ def test_argument_errors_name_the_flag_before_any_model_is_built(capsys, tmp_pat
       "--tensor-parallel-size 2 x --data-parallel-size 1 needs 2 devices; 1 are visible",
     ),
     (["bench", "--data-parallel-size", "2"], "--data-parallel-size 2 without --enable-expert-parallel"),
+    (
+      ["bench", "--long-prefill-token-threshold", "2", "--num-spec", "2"],
+      "--long-prefill-token-threshold 2 must be 0 (off) or at least 1 + --num-spec = 3",
+    ),
   ]:
     assert main(argv) == 2
     assert message in capsys.readouterr().err

@@ -103,6 +103,29 @@ def test_async_steps_return_the_step_before_and_schedule_nothing_past_the_end():
   assert req.output_logprobs == want.output_logprobs
 
 
+def test_long_prefill_token_threshold_caps_each_request_and_fills_the_budget():
+  engine = LLMEngine(runner(), cfg(max_num_batched_tokens=16, long_prefill_token_threshold=6))
+  steps = []
+  schedule = engine.scheduler.schedule
+
+  def recording():
+    chunks = schedule()
+    steps.append([(c.request.request_id, c.num_tokens) for c in chunks])
+    return chunks
+
+  engine.scheduler.schedule = recording
+  reqs = engine.generate(prompts(), SamplingParams(max_tokens=3))  # prompts of 13, 27, 5 and 19 tokens
+  # Arrival order, 6 tokens each at most, until the budget of 16 is spent.
+  assert [n for _, n in steps[0]] == [6, 6, 4]
+  assert all(n <= 6 for step in steps for _, n in step)
+  assert all(sum(n for _, n in step) <= 16 for step in steps)
+  assert [r.output_token_ids for r in reqs] == [
+    r.output_token_ids for r in LLMEngine(runner(), cfg()).generate(prompts(), SamplingParams(max_tokens=3))
+  ]
+  with pytest.raises(ValueError, match="long_prefill_token_threshold -1 must be 0 .off. or at least 1"):
+    cfg(long_prefill_token_threshold=-1)
+
+
 # -- reliability at the boundary (one bad request never stops the engine) ---------------------------
 
 

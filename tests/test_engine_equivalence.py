@@ -2,7 +2,8 @@
 
 Greedy tokens and top-5 log-probabilities are bitwise identical across manager block sizes
 (128, 256, 384 (not a power of two), 1024), a kernel split (256 into 64), dense and packed layouts,
-a request alone or batched with others, prefill chunk sizes (chunks ending mid-pool),
+a request alone or batched with others, prefill chunk sizes (chunks ending mid-pool, or capped
+per request so that prompts share a step),
 preemption with recompute and synchronous or async scheduling, for one token bucket (every step padded to 64 tokens).
 
 Where bitwise identity does not hold, the suite asserts a tolerance and says why:
@@ -91,6 +92,8 @@ VARIANTS = {
   "dense_split_256_into_64": cfg(layout="dense", kernel_block_size=64),
   "chunks_of_7": cfg(max_num_batched_tokens=7),  # chunks end mid-pool
   "chunks_of_13": cfg(max_num_batched_tokens=13),
+  # Every prompt 4 tokens a step, side by side (vLLM's long-prefill threshold; chunks end mid-pool).
+  "prompts_side_by_side": cfg(long_prefill_token_threshold=4),
   "synchronous_steps": cfg(async_scheduling=False),  # the baseline dispatches a step ahead
   # Slots and kernel tables from the step-metadata kernel (interpreted on the CPU; the GPU's default).
   "step_metadata_kernel": cfg(step_metadata_implementation="pallas"),

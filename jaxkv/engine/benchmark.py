@@ -13,17 +13,30 @@ from jaxkv.engine.engine import LLMEngine
 from jaxkv.engine.request import SamplingParams
 from jaxkv.utils import cdiv
 
-__all__ = ["benchmark_decode", "decode_new_tokens"]
+__all__ = ["benchmark_decode", "decode_new_tokens", "prefill_steps"]
+
+
+def prefill_steps(batch: int, context: int, max_num_batched_tokens: int, long_prefill_token_threshold: int = 0) -> int:
+  """Steps that prefill ``batch`` prompts of ``context`` tokens: one per ``max_num_batched_tokens``
+  prompt tokens, and at least one per ``long_prefill_token_threshold`` tokens of a prompt."""
+  steps = cdiv(batch * context, max_num_batched_tokens)
+  return max(steps, cdiv(context, long_prefill_token_threshold)) if long_prefill_token_threshold > 0 else steps
 
 
 def decode_new_tokens(
-  batch: int, context: int, max_num_batched_tokens: int, steps: int, profile_steps: int = 0, num_spec: int = 0
+  batch: int,
+  context: int,
+  max_num_batched_tokens: int,
+  steps: int,
+  profile_steps: int = 0,
+  num_spec: int = 0,
+  long_prefill_token_threshold: int = 0,
 ) -> int:
   """``max_tokens`` that keeps every request decoding through the timed and profiled steps:
   requests prefilled early decode (up to ``1 + num_spec`` tokens a step) while later ones prefill,
-  for up to one step per ``max_num_batched_tokens`` prompt tokens."""
-  prefill_steps = cdiv(batch * context, max_num_batched_tokens) + 1
-  return (prefill_steps + steps + profile_steps) * (1 + num_spec) + 1
+  for up to ``prefill_steps`` steps and one more."""
+  prefill = prefill_steps(batch, context, max_num_batched_tokens, long_prefill_token_threshold) + 1
+  return (prefill + steps + profile_steps) * (1 + num_spec) + 1
 
 
 def benchmark_decode(
@@ -122,6 +135,7 @@ def benchmark_decode(
     **warm,
     "decode_tokens_per_s": tokens / max(sum(lat), 1e-9),
     "num_spec": engine.config.num_speculative_tokens,
+    "long_prefill_token_threshold": engine.config.long_prefill_token_threshold,
     "acceptance_rate": accepted / drafted if drafted else None,
     "step_ms_p50": float(np.percentile(lat_ms, 50)),
     "step_ms_p90": float(np.percentile(lat_ms, 90)),

@@ -70,6 +70,13 @@ class EngineConfig:
     cache: the KV-cache options (block and kernel sizes, layout, dtypes, speculative tokens,
       memory, max length): the one object every plan is made from.
     max_num_reqs: request rows per step; max_num_batched_tokens: token budget per step.
+    long_prefill_token_threshold: when positive, the most tokens one request runs in a step
+      (vLLM's ``--long-prefill-token-threshold``): a long prompt's chunks then share each step with
+      other prompts' chunks (up to ``max_num_batched_tokens`` in all) instead of taking the budget
+      alone. The KDA recurrence runs each request's tokens in order, so a step of 32 requests x 64
+      tokens keeps 16 times as many programs busy as one of 2 x 1,024 (docs/performance.md). Every
+      request's first token then comes later; the last one sooner. Tokens are identical either way
+      (chunking is among the equivalence suite's schedules). 0: off.
     buckets: step token counts compiled for (default: powers of two up to the budget).
     async_scheduling: dispatch step n+1 before reading back step n (vLLM's async scheduling):
       the tokens sampled in step n flow into step n+1 on the device, and ``step()`` returns the
@@ -102,6 +109,7 @@ class EngineConfig:
   cache: CacheConfig = CacheConfig()
   max_num_reqs: int = 8
   max_num_batched_tokens: int = 64
+  long_prefill_token_threshold: int = 0
   buckets: tuple[int, ...] | None = None
   async_scheduling: bool = True
   step_metadata_implementation: str = "auto"
@@ -127,6 +135,11 @@ class EngineConfig:
         f"data_parallel_size {self.data_parallel_size} without enable_expert_parallel: in one "
         "engine the data axis only widens the expert split. For independent replicas run one "
         "engine per replica, or enable expert parallelism (enable_expert_parallel)."
+      )
+    if self.long_prefill_token_threshold < 0 or 0 < self.long_prefill_token_threshold <= self.num_speculative_tokens:
+      raise ValueError(
+        f"long_prefill_token_threshold {self.long_prefill_token_threshold} must be 0 (off) or at least "
+        f"1 + num_speculative_tokens = {1 + self.num_speculative_tokens} (a verify step's tokens)."
       )
     if self.kv_offload not in (None, "host", "disk"):
       raise ValueError(f"kv_offload must be None, 'host' or 'disk', got {self.kv_offload!r}.")
@@ -234,6 +247,7 @@ class LLMEngine:
       self.tables,
       max_num_reqs=config.max_num_reqs,
       max_num_batched_tokens=config.max_num_batched_tokens,
+      long_prefill_token_threshold=config.long_prefill_token_threshold,
       num_lookahead_tokens=max(k - 1, 0),
       connector=self.connector,
       swap=self.swap,

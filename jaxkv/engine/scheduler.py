@@ -1,7 +1,8 @@
 """Continuous batching with chunked prefill and preemption by recompute (host side, NumPy-free).
 
 Each step spends a token budget: running requests first (decode tokens, or the next chunk of a
-prefill), then waiting requests in arrival order while budget, table rows and blocks last. When
+prefill), then waiting requests in arrival order while budget, table rows and blocks last; with
+``long_prefill_token_threshold``, no request takes more than that many tokens of a step. When
 the pool cannot supply a running request's blocks, the most recently arrived running request is
 preempted: its blocks (every group: latents, pooled keys, tail ring, KDA slots) go back to the pool
 and it re-enters the queue to recompute its prompt and outputs so far. Nothing accepted is lost.
@@ -49,17 +50,21 @@ class Scheduler:
     *,
     max_num_reqs: int,
     max_num_batched_tokens: int,
+    long_prefill_token_threshold: int = 0,
     num_lookahead_tokens: int = 0,
     connector=None,
     swap=None,
   ):
-    """``num_lookahead_tokens``: slots past the scheduled tokens that a sampling chunk also needs
+    """``long_prefill_token_threshold``: when positive, the most tokens one request runs in a step
+    (vLLM's, with its meaning): a long prompt's chunks share the step with other requests' instead
+    of taking the budget alone. ``num_lookahead_tokens``: slots past the scheduled tokens that a sampling chunk also needs
     (the MTP draft steps write the draft positions). ``connector``: a ``KVConnectorBase`` asked for
     external prefix hits at admission; ``swap``: a ``SwapSpace`` for preemption by swapping."""
     self.kv = kv_manager
     self.tables = block_tables
     self.max_num_reqs = max_num_reqs
     self.budget = max_num_batched_tokens
+    self.long_prefill_token_threshold = long_prefill_token_threshold
     self.lookahead = num_lookahead_tokens
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
@@ -121,9 +126,12 @@ class Scheduler:
     return True
 
   def _chunk_size(self, request: Request, budget: int) -> int:
-    """Tokens to schedule: the pending ones within budget, ending at the next block boundary when
-    one comes before the request's last known token (prefix caching checkpoints states there)."""
+    """Tokens to schedule: the pending ones within budget and ``long_prefill_token_threshold``,
+    ending at the next block boundary when one comes before the request's last known token (prefix
+    caching checkpoints states there)."""
     n = min(self._pending(request), budget)
+    if self.long_prefill_token_threshold > 0:
+      n = min(n, self.long_prefill_token_threshold)
     if self.kv.enable_caching:
       bs = self.kv.hash_block_size
       boundary = (request.num_computed_tokens // bs + 1) * bs

@@ -49,8 +49,9 @@ class LLM:
     dtype: ``"auto"`` (the checkpoint's dtype; random weights bf16 on a GPU, float32 on the CPU),
       ``"bfloat16"`` or ``"float32"``.
     max_model_len: longest request (default and cap: the model's positions).
-    max_num_seqs, max_num_batched_tokens, enable_prefix_caching: the engine's rows, token budget
-      per step and prefix cache (vLLM's names).
+    max_num_seqs, max_num_batched_tokens, long_prefill_token_threshold, enable_prefix_caching: the
+      engine's rows, token budget per step, tokens per request and step, and prefix cache (vLLM's
+      names; ``EngineConfig``).
     kv_cache_memory_bytes: the KV cache's size (vLLM's name); block_size, kv_cache_dtype,
       num_speculative_tokens and the rest of ``CacheConfig`` through ``cache_options``.
     implementation: the attention kernels (``"auto"``, ``"pallas"``, ``"xla"``).
@@ -66,6 +67,7 @@ class LLM:
     max_model_len: int | None = None,
     max_num_seqs: int = 8,
     max_num_batched_tokens: int = 256,
+    long_prefill_token_threshold: int = 0,
     enable_prefix_caching: bool = False,
     kv_cache_memory_bytes: int = 64 << 20,
     implementation: str = "auto",
@@ -102,6 +104,7 @@ class LLM:
       cache=cache,
       max_num_reqs=max_num_seqs,
       max_num_batched_tokens=max_num_batched_tokens,
+      long_prefill_token_threshold=long_prefill_token_threshold,
       enable_prefix_caching=enable_prefix_caching,
     )
     if from_checkpoint:
