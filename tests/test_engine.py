@@ -103,22 +103,33 @@ def test_async_steps_return_the_step_before_and_schedule_nothing_past_the_end():
   assert req.output_logprobs == want.output_logprobs
 
 
-def test_long_prefill_token_threshold_caps_each_request_and_fills_the_budget():
-  engine = LLMEngine(runner(), cfg(max_num_batched_tokens=16, long_prefill_token_threshold=6))
-  steps = []
-  schedule = engine.scheduler.schedule
+def _schedules(engine) -> list[list[int]]:
+  """Records each step's chunk sizes, in step order."""
+  steps, schedule = [], engine.scheduler.schedule
 
   def recording():
     chunks = schedule()
-    steps.append([(c.request.request_id, c.num_tokens) for c in chunks])
+    steps.append([c.num_tokens for c in chunks])
+    assert [c.offset for c in chunks] == [sum(steps[-1][:i]) for i in range(len(chunks))]
     return chunks
 
   engine.scheduler.schedule = recording
-  reqs = engine.generate(prompts(), SamplingParams(max_tokens=3))  # prompts of 13, 27, 5 and 19 tokens
-  # Arrival order, 6 tokens each at most, until the budget of 16 is spent.
-  assert [n for _, n in steps[0]] == [6, 6, 4]
-  assert all(n <= 6 for step in steps for _, n in step)
-  assert all(sum(n for _, n in step) <= 16 for step in steps)
+  return steps
+
+
+@pytest.mark.parametrize(
+  "budget, first_step",
+  [
+    (16, [6, 6, 4]),  # 6 tokens each in arrival order (prompts of 13, 27, 5, 19) until the budget is spent
+    (32, [13, 8, 5, 6]),  # 6, 6, 5, 6 leave 9: to the first prompt (7, its rest), then the second (2)
+  ],
+)
+def test_long_prefill_token_threshold_shares_each_step_and_spends_its_budget(budget, first_step):
+  engine = LLMEngine(runner(), cfg(max_num_batched_tokens=budget, long_prefill_token_threshold=6))
+  steps = _schedules(engine)
+  reqs = engine.generate(prompts(), SamplingParams(max_tokens=3))
+  assert steps[0] == first_step
+  assert all(sum(step) <= budget for step in steps)
   assert [r.output_token_ids for r in reqs] == [
     r.output_token_ids for r in LLMEngine(runner(), cfg()).generate(prompts(), SamplingParams(max_tokens=3))
   ]

@@ -93,7 +93,7 @@ VARIANTS = {
   "chunks_of_7": cfg(max_num_batched_tokens=7),  # chunks end mid-pool
   "chunks_of_13": cfg(max_num_batched_tokens=13),
   # Every prompt 4 tokens a step, side by side (vLLM's long-prefill threshold; chunks end mid-pool).
-  "prompts_side_by_side": cfg(long_prefill_token_threshold=4),
+  "prompts_side_by_side": cfg(max_num_batched_tokens=16, long_prefill_token_threshold=4),
   "synchronous_steps": cfg(async_scheduling=False),  # the baseline dispatches a step ahead
   # Slots and kernel tables from the step-metadata kernel (interpreted on the CPU; the GPU's default).
   "step_metadata_kernel": cfg(step_metadata_implementation="pallas"),

@@ -81,10 +81,11 @@ def test_warm_equals_cold_bitwise(layout):
   assert engine.kv.num_free_blocks == engine.plan.num_blocks - 1  # every block went back (cached ones are free)
 
 
-@pytest.mark.parametrize("budget", [BS - 3, BS + 5])
-def test_chunk_budgets_off_the_block_size_stay_bitwise(budget):
-  """Chunks end at block boundaries before a prompt's last token, whatever the budget."""
-  warm, _ = run(True, budget=budget)
+@pytest.mark.parametrize("budget, threshold", [(BS - 3, 0), (BS + 5, 0), (BS + 5, 40)])
+def test_chunk_budgets_off_the_block_size_stay_bitwise(budget, threshold):
+  """Chunks end at block boundaries before a prompt's last token, whatever the budget (and a
+  capped chunk given the step's unspent budget too)."""
+  warm, _ = run(True, budget=budget, long_prefill_token_threshold=threshold)
   assert_warm_equals_cold(warm, cold())
   assert [n for *_, n in warm] == [0, 2 * BS, 2 * BS, 0]
 
