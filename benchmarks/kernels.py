@@ -63,10 +63,17 @@ SWEEP = [
     + [dict(latent_block=b, block_k=k) for b in (128, 256) for k in (32, 64)],
   ),
   # The KDA recurrence: prefill steps (one 2048-token request: a 32k prompt; two of 1024: the
-  # 32 x 1024 benchmark) and decode steps. The tile of V sets the programs per (request, head).
+  # 32 x 1024 benchmark; 32 of 64: the same with long_prefill_token_threshold=64) and decode steps.
+  # The tile of V sets the programs per (request, head).
   (
     "kda_recurrence",
-    [dict(reqs=1, tokens=2048), dict(reqs=2, tokens=1024), dict(reqs=32, tokens=1), dict(reqs=1, tokens=1)],
+    [
+      dict(reqs=1, tokens=2048),
+      dict(reqs=2, tokens=1024),
+      dict(reqs=32, tokens=64),
+      dict(reqs=32, tokens=1),
+      dict(reqs=1, tokens=1),
+    ],
     # 64 columns on one warp is left out: it alone spills when built for sm_90 (docs/kernels.md).
     [dict(block_v=b, num_warps=w) for b in (8, 16, 32, 64) for w in (1, 2, 4, 8) if (b, w) != (64, 1)],
   ),
