@@ -246,6 +246,7 @@ def routed_experts_per_step(engine, prompts, new_tokens: int, steps: int) -> dic
     "routing_calls": len(counts),
     "prefill_distinct_experts": float(np.mean(prefill_calls)) if prefill_calls else 0.0,
     "prefill_routing_calls": len(prefill_calls),
+    "prefill_steps_routed": len(prefill_calls) // layers,
   }
 
 
@@ -325,7 +326,7 @@ def main() -> int:
   if args.explain_cache_misses:  # a compilation after warm-up says why
     jax.config.update("jax_explain_cache_misses", True)
   from jaxkv.engine import EngineConfig, LLMEngine, get_model_family
-  from jaxkv.engine.benchmark import benchmark_decode, decode_new_tokens, prefill_steps
+  from jaxkv.engine.benchmark import benchmark_decode, decode_new_tokens
   from jaxkv.cache.kv_cache_config import CacheConfig
   import numpy as np
 
@@ -436,7 +437,7 @@ def main() -> int:
         "roofline_fraction": roof_ms / row["step_ms_p50"],
       }
     )
-    steps = prefill_steps(row["batch"], args.context, args.budget, row["long_prefill_token_threshold"])
+    steps = routing["prefill_steps_routed"]  # as the engine scheduled them
     pre = prefill_roofline(runner, row["prefill_flops"], steps, routing["prefill_distinct_experts"], bandwidth, gemm)
     row.update({**pre, "prefill_roofline_fraction": pre["prefill_roofline_s"] / row["prefill_s"]})
     emit({**row, "system": "jaxkv_roofline"})

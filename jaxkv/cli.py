@@ -806,8 +806,9 @@ def _add_engine_args(p):
     "--long-prefill-token-threshold",
     type=int,
     default=0,
-    help="the most tokens one request runs in a step (vLLM's; 0: off): long prompts' chunks share each "
-    "step, which keeps more of the KDA recurrence's programs busy (docs/engine.md)",
+    help="each request's share of a step before the next gets one (vLLM's; 0: off); the budget the shares "
+    "leave goes back to them: long prompts prefill side by side, which keeps more of the KDA "
+    "recurrence's programs busy (docs/engine.md)",
   )
   p.add_argument(
     "--implementation",

@@ -17,8 +17,9 @@ __all__ = ["benchmark_decode", "decode_new_tokens", "prefill_steps"]
 
 
 def prefill_steps(batch: int, context: int, max_num_batched_tokens: int, long_prefill_token_threshold: int = 0) -> int:
-  """Steps that prefill ``batch`` prompts of ``context`` tokens: one per ``max_num_batched_tokens``
-  prompt tokens, and at least one per ``long_prefill_token_threshold`` tokens of a prompt."""
+  """At most the steps that prefill ``batch`` prompts of ``context`` tokens: one per
+  ``max_num_batched_tokens`` prompt tokens, or one per ``long_prefill_token_threshold`` tokens of a
+  prompt where that is more (each step either spends the budget or gives every prompt its share)."""
   steps = cdiv(batch * context, max_num_batched_tokens)
   return max(steps, cdiv(context, long_prefill_token_threshold)) if long_prefill_token_threshold > 0 else steps
 

@@ -58,7 +58,8 @@ class Scheduler:
   ):
     """``long_prefill_token_threshold``: when positive, each request's share of a step before the
     others have theirs (vLLM's setting; unlike vLLM, a budget the shares leave goes to them again,
-    ``_extend``): long prompts' chunks share the step instead of one taking the budget alone. ``num_lookahead_tokens``: slots past the scheduled tokens that a sampling chunk also needs
+    ``_extend``): long prompts' chunks share the step instead of one taking the budget alone.
+    ``num_lookahead_tokens``: slots past the scheduled tokens that a sampling chunk also needs
     (the MTP draft steps write the draft positions). ``connector``: a ``KVConnectorBase`` asked for
     external prefix hits at admission; ``swap``: a ``SwapSpace`` for preemption by swapping."""
     self.kv = kv_manager
