@@ -14,7 +14,7 @@
 #   bash benchmarks/h200.sh prefill      # a 32k-token prompt at batch 1 beside the HF peer (the peer
 #                                        # and its wheels carried in .wheels/hf/: docs/performance.md,
 #                                        # "Reproduce"), then 32 x 1,024 tokens in 8,192-token steps,
-#                                        # profiled
+#                                        # profiled, without and with a long-prefill cap of 256
 #   bash benchmarks/h200.sh ab DIR       # another checkout (a branch: git archive it into DIR and
 #                                        # carry DIR): its GPU suites, then performance.py at
 #                                        # batches 1 and 32, this tree and DIR interleaved, twice;
@@ -137,8 +137,9 @@ case $mode in
     pip install -q --no-deps --target /tmp/hf .wheels/hf/*.whl 2>&1 | grep -v WARN
     (export PYTHONPATH="/tmp/hf:${PYTHONPATH:-$PWD}" && run "${PERF_S:-300}" prefill-32k.txt python benchmarks/performance.py \
       --batches 1 --context 32768 --steps 8 --peer .wheels/hf/hf_peer_bench.py --out "$out/prefill-32k.jsonl")
+    # With a long-prefill cap of 256 too: all 32 prompts in each step, chains of 256 tokens (docs/engine.md).
     run "${PERF_S:-300}" budget-8192.txt python benchmarks/performance.py --batches 32 --budget 8192 --steps 8 \
-      --profile /tmp/prof-8192 --out "$out/budget-8192.jsonl" # the traces stay there: the rows carry their summaries
+      --long-prefill-token-threshold 0,256 --profile /tmp/prof-8192 --out "$out/budget-8192.jsonl" # the traces stay there: the rows carry their summaries
     ;;
   *)
     echo "unknown mode $mode: want correctness, matrix, suites, kernels, timing, prefill or ab DIR" >&2
