@@ -42,7 +42,7 @@ from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
 from jaxkv.gpu_target import target_backend
-from pallas_kernels._common import MIN_DOT_ROWS, default_interpret
+from pallas_kernels._common import MIN_DOT_ROWS, default_interpret, resolve_implementation
 
 __all__ = [
   "PALLAS_MAX_ROWS",
@@ -186,14 +186,13 @@ def grouped_matmul_implementation(implementation: str, dtype=jnp.bfloat16, rows:
       "implementation='tokamax' needs the tokamax package (pip install tokamax, or the '.[cuda13]' extra); "
       "use 'pallas' or 'xla'."
     )
-  if implementation != "auto":
-    return implementation
+  if implementation in ("pallas", "tokamax"):
+    kernel = implementation
+  else:  # auto's kernel, by the call's rows
+    small = rows is not None and rows <= PALLAS_MAX_ROWS
+    kernel = "pallas" if small or not _tokamax_available() else "tokamax"
   half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-  if not (half and target_backend() in ("gpu", "cuda")):
-    return "xla"
-  if (rows is not None and rows <= PALLAS_MAX_ROWS) or not _tokamax_available():
-    return "pallas"
-  return "tokamax"
+  return resolve_implementation(implementation, kernel=kernel, runs_here=half and target_backend() in ("gpu", "cuda"))
 
 
 def prepare_grouped_matmul(implementation: str = "auto", dtype=jnp.bfloat16) -> str:
