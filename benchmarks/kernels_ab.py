@@ -42,6 +42,17 @@ KERNELS = {
     [dict(batch=1, ctx=131072), dict(batch=8, ctx=32768), dict(batch=64, ctx=32768), dict(batch=64, ctx=131072)],
   ),
   "kpool": ("kpool_compress_and_write", K.bench_kpool, [dict(tokens=128), dict(tokens=1024), dict(tokens=8192)]),
+  "kda_recurrence": (
+    "fused_recurrent_kda",
+    K.bench_kda,
+    [
+      dict(reqs=1, tokens=2048),
+      dict(reqs=2, tokens=1024),
+      dict(reqs=32, tokens=64),
+      dict(reqs=32, tokens=256),
+      dict(reqs=32, tokens=1),
+    ],
+  ),
   "cache_write": ("write_to_paged_cache", K.bench_cache_write, [dict(tokens=8), dict(tokens=1024), dict(tokens=8192)]),
 }
 

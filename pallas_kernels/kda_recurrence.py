@@ -83,6 +83,10 @@ def _kda_kernel(
     + jax.lax.broadcasted_iota(jnp.int32, (kd, block_v), 1)
   )
 
+  # The request's slot pages, read once: a page read inside the loop would be a dependent load
+  # (slot, then page) whose branch every token waits on.
+  dests = [dest_ref[r, i] for i in range(num_slots)]
+
   def load(t):
     return (q_ref[t, h, :], k_ref[t, h, :], v_ref[t, h, cols], g_ref[t, h, :], beta_ref[t, h], slot_ref[t])
 
@@ -96,7 +100,9 @@ def _kda_kernel(
     s = s + k[:, None] * u[None, :]
     o_ref[t, h, cols] = jnp.sum(s * q[:, None], axis=0)
 
-    page = dest_ref[r, jnp.clip(slot, 0, num_slots - 1)]
+    page = dests[0]
+    for i in range(1, num_slots):
+      page = jnp.where(slot == i, dests[i], page)
 
     @pl.when((slot >= 0) & (slot < num_slots) & (page >= 0) & (page < pages_ref.shape[0]))
     def _():
