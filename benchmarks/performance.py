@@ -2,19 +2,20 @@
 
 Runs the HF peer (``shared/tools/hf_peer_bench.py``: transformers eager + flash-linear-attention,
 bf16, 4-layer slice of the released dimensions, random weights) in a subprocess first, so it has
-the GPU to itself and frees it on exit; then measures the device's copy bandwidth and serves the
+the GPU to itself and frees it on exit; then measures the device's memory ceiling and serves the
 same model with jaxkv (``glm-5.3-flash-slice4``, bf16 weights, fp8 indexer keys, bf16 latents,
 packed layout, block 1024) at each batch: prefill of ``batch x context`` tokens, then timed decode
 steps in which every request decodes (``jaxkv.engine.benchmark.benchmark_decode``).
 
-Rooflines, from what the step does, over rates measured in the same run (the copy bandwidth twice,
-before and after the timed runs, each after a second of copies; the larger is the ceiling: one
-H100 lease of 2026-12-06 read 2.15 to 2.56 TB/s from a single cold measurement, which moved a
-row's fraction of its roofline by up to 18 points):
+Rooflines, from what the step does, over rates measured in the same run (the memory ceiling twice,
+before and after the timed runs, each after a second of the same calls; the larger is the ceiling:
+one H100 lease of 2026-12-06 read 2.15 to 2.56 TB/s from a single cold measurement, which moved a
+row's fraction of its roofline by up to 18 points). The ceiling is the larger of a copy's rate
+(read + written) and a reduction's (read only), as a step mostly reads:
 
 * decode: the weight bytes a step reads (lm_head, attention and KDA projections, dense MLPs, shared
   experts, and the distinct routed experts each MoE layer's router chose in the timed steps) plus
-  the KV bytes, over the copy bandwidth. The distinct experts are counted by a second pass over the
+  the KV bytes, over the ceiling. The distinct experts are counted by a second pass over the
   same requests (same weights, prompts and greedy tokens, so the same routing) with the router's
   output sent to the host (``jax.debug.callback``), which the timed pass does not have. Random
   weights route unevenly: fewer distinct experts than uniform routing's expectation
@@ -23,7 +24,7 @@ row's fraction of its roofline by up to 18 points):
   FLOPs (2 x active parameters per token, sparse MLA over each token's selected rows, the indexer's
   pooled keys, the KDA recurrence) over the rate of a large bf16 GEMM and its weight reads (the
   dense weights and the distinct routed experts the router chose in the prefill steps, counted
-  as for decode) over the copy bandwidth: every step re-reads the experts its tokens route to, so
+  as for decode) over the ceiling: every step re-reads the experts its tokens route to, so
   the step size moves this floor. The FLOPs alone over the GEMM rate are reported as well
   (``prefill_compute_floor_s``).
 
@@ -78,18 +79,46 @@ def _median_s(f, *args, iters: int) -> float:
   return float(np.median(times))
 
 
-def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 50, warm_s: float = 1.0) -> float:
-  """Bytes read + written per second by a device copy of ``nbytes`` (median of ``iters``), timed
-  after ``warm_s`` seconds of the same copies (the card at its working clocks, not idle ones)."""
+def _warm_rate(f, x, nbytes: int, iters: int, warm_s: float) -> float:
+  """``nbytes`` per median second of ``f(x)`` (``iters`` calls), timed after ``warm_s`` seconds of
+  the same calls (the card at its working clocks, not idle ones)."""
+  import jax
+
+  end = time.perf_counter() + warm_s
+  while time.perf_counter() < end:
+    jax.block_until_ready(f(x))
+  return nbytes / _median_s(f, x, iters=iters)
+
+
+def _random_words(nbytes: int):
   import jax
   import jax.numpy as jnp
 
-  x = jax.random.bits(jax.random.key(0), (nbytes // 4,), jnp.uint32)
-  copy = jax.jit(lambda a: a ^ jnp.uint32(1))
-  end = time.perf_counter() + warm_s
-  while time.perf_counter() < end:
-    jax.block_until_ready(copy(x))
-  return 2 * nbytes / _median_s(copy, x, iters=iters)
+  return jax.random.bits(jax.random.key(0), (nbytes // 4,), jnp.uint32)
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 50, warm_s: float = 1.0) -> float:
+  """Bytes read + written per second by a device copy of ``nbytes``."""
+  import jax
+  import jax.numpy as jnp
+
+  return _warm_rate(jax.jit(lambda a: a ^ jnp.uint32(1)), _random_words(nbytes), 2 * nbytes, iters, warm_s)
+
+
+def read_bandwidth(nbytes: int = 2 << 30, iters: int = 50, warm_s: float = 1.0) -> float:
+  """Bytes read per second by a device reduction of ``nbytes`` (a decode step mostly reads)."""
+  import jax
+  import jax.numpy as jnp
+
+  return _warm_rate(jax.jit(jnp.max), _random_words(nbytes), nbytes, iters, warm_s)
+
+
+def memory_ceiling() -> dict:
+  """The roofline's bandwidth: the larger of a copy's and a read's rate. A step is mostly reads
+  (its weights), and on some cards the copy runs well below them: one H100 of 2026-12-06 copied at
+  1.96 TB/s while the step's expert reads ran faster, which put a row at 116% of its roofline."""
+  copy, read = copy_bandwidth(), read_bandwidth()
+  return {"copy_bandwidth_TBps": copy / 1e12, "read_bandwidth_TBps": read / 1e12, "ceiling": max(copy, read)}
 
 
 def gemm_rate(n: int = 8192, iters: int = 20) -> float:
@@ -183,7 +212,7 @@ def prefill_flops(runner, batch: int, context: int) -> float:
 
 def prefill_roofline(runner, flops: float, steps: int, distinct_experts: float, bandwidth: float, gemm: float) -> dict:
   """Least time of a prefill of ``flops`` in ``steps`` equal steps: each step at least its FLOPs at
-  the GEMM rate and at least its weight reads at the copy bandwidth (the dense weights, and each MoE
+  the GEMM rate and at least its weight reads at the memory ceiling (the dense weights, and each MoE
   layer's ``distinct_experts`` routed experts: re-read by every step, which is what a larger step
   amortizes)."""
   cfg = runner.config
@@ -330,11 +359,12 @@ def main() -> int:
   from jaxkv.cache.kv_cache_config import CacheConfig
   import numpy as np
 
-  bandwidth, gemm = copy_bandwidth(), gemm_rate()
+  ceiling, gemm = memory_ceiling(), gemm_rate()
+  bandwidth = ceiling.pop("ceiling")
   emit(
     {
       "system": "device",
-      "copy_bandwidth_TBps": bandwidth / 1e12,
+      **ceiling,
       "bf16_gemm_TFLOPs": gemm / 1e12,
       "device": str(jax.devices()[0].device_kind),
       "jax": jax.__version__,
@@ -410,9 +440,9 @@ def main() -> int:
         emit(row)
         runs.append((row, prompts, new_tokens, engine_config))
   # The ceiling again, after the card has run the engine; the larger reading is the roofline's.
-  end_bandwidth = copy_bandwidth()
-  emit({"system": "device", "when": "after the timed runs", "copy_bandwidth_TBps": end_bandwidth / 1e12})
-  bandwidth = max(bandwidth, end_bandwidth)
+  ceiling = memory_ceiling()
+  bandwidth = max(bandwidth, ceiling.pop("ceiling"))
+  emit({"system": "device", "when": "after the timed runs", **ceiling})
   # The routing pass after every timed one: tracing it with host callbacks needs jit's caches
   # cleared. Runs of one batch and prefill path serve the same tokens (equal digests), so route alike.
   routings = {}
