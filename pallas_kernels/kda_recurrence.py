@@ -194,7 +194,7 @@ def fused_recurrent_kda(
   src: Int[Array, " R"] | None = None,
   offset: int = 0,
   block_v: int = 32,
-  num_warps: int = 4,
+  num_warps: int = 2,
   implementation: str = "auto",
   interpret: bool | None = None,
 ) -> tuple[Float[Array, "T H V"], UInt32[Array, "N W"]]:
