@@ -216,12 +216,13 @@ def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, layout: Pag
   tap = jnp.arange(kw, dtype=jnp.int32)[None, :]
   lag = (kw - 1) - tap
   src = jnp.where(rank >= lag, jnp.arange(t, dtype=jnp.int32)[:, None] - lag, t + ri[:, None] * (kw - 1) + tap + rank)
-  windows = jnp.concatenate([mixed, conv.reshape(-1, 3, c)])[src]  # [T, kw, 3, C]
-  q, kk, v = attn.conv_qkv(windows, x.dtype)
-  # The conv state after a token is its window's last kw-1 inputs.
-  conv_slots = (
-    jnp.zeros((num_reqs, num_slots) + conv.shape[1:], conv.dtype).at[seen, slot].set(windows[:, 1:], mode="drop")
-  )
+  raw = jnp.concatenate([mixed, conv.reshape(-1, 3, c)])  # [T + R * (kw-1), 3, C]
+  q, kk, v = attn.conv_qkv(raw[src], x.dtype)  # windows [T, kw, 3, C]
+  # The conv state after a token is its window's last kw-1 inputs, gathered for the token of each
+  # slot only (a slot no token names is not written): a scatter of every token's window, most of
+  # them dropped, read all T windows (0.7 ms a layer in an 8,192-token step on an H100).
+  slot_token = jnp.full((num_reqs, num_slots), t - 1, jnp.int32).at[seen, slot].set(jnp.arange(t), mode="drop")
+  conv_slots = raw[src[slot_token, 1:]]  # [R, S, kw-1, 3, C]
   if chunk is not None:
     # Heads on axis 1 of the token arrays and the state, 2 of the prefix's.
     chunk_fn = functools.partial(_chunk_kda_flat, implementation=layout.implementation("chunk_kda", implementation))
