@@ -126,11 +126,16 @@ class HyperConnection(nnx.Module):
 
   @staticmethod
   def expand(post, comb, y, residual):
-    """``X'[j] = post[j] * y + sum_i comb[i, j] * X[i]`` in the activation dtype."""
+    """``X'[j] = post[j] * y + sum_i comb[i, j] * X[i]`` in the activation dtype (the sum over the
+    ``N`` streams in float32, rounded once).
+
+    The sum is written out term by term, not as an einsum: with ``N = 4`` terms XLA made it a GEMM
+    kernel of its own on a GPU, 0.5 ms a call at 8,192 tokens on an H100, where one elementwise
+    pass over the streams moves the same bytes at the memory's rate."""
     dt = residual.dtype
-    return post.astype(dt)[..., None] * y[..., None, :] + jnp.einsum(
-      "btij,btid->btjd", comb.astype(dt), residual, precision=_HP
-    )
+    c, x = comb.astype(dt).astype(jnp.float32), residual.astype(jnp.float32)
+    mixed = functools.reduce(jnp.add, [c[..., i, :, None] * x[..., i, None, :] for i in range(residual.shape[-2])])
+    return post.astype(dt)[..., None] * y[..., None, :] + mixed.astype(dt)
 
 
 def _swiglu_clamped(gate, up, limit):
