@@ -11,9 +11,10 @@ Where the kernels come from: ``enable_hlo_dump(dir)`` (before JAX starts its bac
 write the step's optimized HLO, whose ``op_name`` metadata carries the ``jax.named_scope`` of each
 op (the model tags ``mhc``, ``kda``, ``dsa``, ``moe``, ``mlp``, ``lm_head``, ``sampler``,
 ``step_metadata``, ...); ``summarize_trace(..., hlo_dir=dir)`` then counts the kernels and time of
-each scope (``by_scope``). A kernel is matched by its name (XLA names a fusion's kernel after the
-fusion) or the trace's ``hlo_op``; library kernels inside a command buffer (cuBLAS) match neither and
-count as ``(unattributed)``.
+each scope (``by_scope``) and names the op behind each of the heaviest kernels (``top``'s
+``op``: ``gemm_fusion_dot_6`` alone does not say it is the mHC's mix). A kernel is matched by its
+name (XLA names a fusion's kernel after the fusion) or the trace's ``hlo_op``; library kernels
+inside a command buffer (cuBLAS) match neither and count as ``(unattributed)``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import os
 import pathlib
 import re
 
-__all__ = ["enable_hlo_dump", "hlo_dump_beside", "kernel_scopes", "summarize_trace"]
+__all__ = ["enable_hlo_dump", "hlo_dump_beside", "kernel_ops", "kernel_scopes", "summarize_trace"]
 
 # The jitted step's HLO module (``jit(_device_step)``): the only one dumped.
 _STEP_MODULE_RE = ".*_device_step.*"
@@ -76,11 +77,11 @@ def _scope(op_name: str) -> str:
   return "/".join(parts) or "(no scope)"
 
 
-def kernel_scopes(hlo_text: str) -> dict[str, str]:
-  """``{kernel name: named scope}`` for every instruction of an HLO module's text (names with ``.``
-  and ``-`` as ``_``, as XLA names kernels; the scope: the ``op_name``'s ``jax.named_scope``
-  parts, without transformations and the primitive). A fusion without metadata takes its fused
-  computation's root's."""
+def kernel_ops(hlo_text: str) -> dict[str, str]:
+  """``{kernel name: op_name}`` for every instruction of an HLO module's text that has one (names
+  with ``.`` and ``-`` as ``_``, as XLA names kernels; the ``op_name`` of its metadata, the step's
+  own ``jit(...)`` first part dropped). A fusion without metadata takes its fused computation's
+  root's."""
   ops: dict[str, str | None] = {}
   calls: dict[str, str] = {}
   roots: dict[str, str] = {}
@@ -100,13 +101,19 @@ def kernel_scopes(hlo_text: str) -> dict[str, str]:
       calls[name] = called.group(1)
     if root and computation is not None:
       roots[computation] = name
-  scopes = {}
+  named = {}
   for name, op_name in ops.items():
     if op_name is None and name in calls:
       op_name = ops.get(roots.get(calls[name], ""))
     if op_name is not None:
-      scopes[_kernel_key(name)] = _scope(op_name)
-  return scopes
+      named[_kernel_key(name)] = re.sub(r"^jit\([^/]*\)/", "", op_name)
+  return named
+
+
+def kernel_scopes(hlo_text: str) -> dict[str, str]:
+  """``{kernel name: named scope}`` (``kernel_ops``' op names without transformations and the
+  primitive)."""
+  return {name: _scope(op) for name, op in kernel_ops(hlo_text).items()}
 
 
 def _device_events(trace: dict) -> list[dict]:
@@ -132,7 +139,9 @@ def summarize_trace(
   "idle_fraction", "top": [{"name", "ms_per_step", "calls_per_step", "share"}], "idle_gaps": [{"after",
   "before", "ms_per_step", "gaps_per_step"}]}`` (the device's waits, summed by the kernels around them).
   With ``hlo_dir`` (``enable_hlo_dump``'s), also ``"by_scope": [{"scope", "kernels_per_step",
-  "ms_per_step", "share"}]``, from the dumped module that names the most of the trace's kernels.
+  "ms_per_step", "share"}]``, from the dumped module that names the most of the trace's kernels,
+  and each ``top`` kernel's ``"op"`` there (``kernel_ops``: its scope and primitive, e.g.
+  ``mhc/btij,btid->btjd/dot_general`` for a ``gemm_fusion_dot_6``), where it has one.
   """
   files = sorted(pathlib.Path(trace_dir).rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
   if not files:
@@ -157,7 +166,11 @@ def summarize_trace(
   span = intervals[-1][1] - intervals[0][0]
   total = sum(sum(d) for d in by_name.values())
   ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
-  scoped = {} if hlo_dir is None else {"by_scope": _by_scope(events, hlo_dir, num_steps, total)}
+  ops = None if hlo_dir is None else _step_ops(events, hlo_dir)
+  op_of = {}  # a top kernel's op: what made it, where a kernel's name alone does not say
+  for e in events if ops else ():
+    op_of.setdefault(e.get("name", "?"), _op(e, ops))
+  scoped = {} if ops is None else {"by_scope": _by_scope(events, ops, num_steps, total)}
   return {
     "device": "gpu" if _is_gpu(trace) else "cpu",
     "steps": num_steps,
@@ -171,6 +184,7 @@ def summarize_trace(
         "ms_per_step": sum(d) / 1e3 / num_steps,
         "calls_per_step": len(d) / num_steps,
         "share": sum(d) / total if total else 0.0,
+        **({"op": op_of[name]} if op_of.get(name) else {}),
       }
       for name, d in ranked
     ],
@@ -182,25 +196,31 @@ def summarize_trace(
   }
 
 
-def _by_scope(events: list[dict], hlo_dir: str | pathlib.Path, num_steps: int, total: float) -> list[dict]:
+def _keys(e: dict) -> list[str]:
+  """The names an event may match an instruction by: its kernel's, or the trace's ``hlo_op``."""
+  return [_kernel_key(e.get("name", "?")), _kernel_key(str(e.get("args", {}).get("hlo_op", "")))]
+
+
+def _op(e: dict, ops: dict[str, str]) -> str | None:
+  return next((ops[k] for k in _keys(e) if k in ops), None)
+
+
+def _step_ops(events: list[dict], hlo_dir: str | pathlib.Path) -> dict[str, str]:
+  """``kernel_ops`` of the dumped module that names the most of ``events``: each token bucket
+  compiles a module of the same name, and the one that names the most kernels ran."""
   files = list(pathlib.Path(hlo_dir).rglob("*after_optimizations.txt"))
   if not files:
     raise RuntimeError(
       f"no *after_optimizations.txt under {hlo_dir}: was enable_hlo_dump({str(hlo_dir)!r}) called first?"
     )
+  return max((kernel_ops(f.read_text()) for f in files), key=lambda ops: sum(_op(e, ops) is not None for e in events))
 
-  def keys(e):
-    return [_kernel_key(e.get("name", "?")), _kernel_key(str(e.get("args", {}).get("hlo_op", "")))]
 
-  def named(scopes):
-    return sum(any(k in scopes for k in keys(e)) for e in events)
-
-  # Each token bucket compiles a module of the same name: the one that names the most kernels ran.
-  scopes = max((kernel_scopes(f.read_text()) for f in files), key=named)
+def _by_scope(events: list[dict], ops: dict[str, str], num_steps: int, total: float) -> list[dict]:
   acc: dict[str, list[float]] = collections.defaultdict(list)
   for e in events:
-    scope = next((scopes[k] for k in keys(e) if k in scopes), "(unattributed)")
-    acc[scope].append(float(e.get("dur", 0.0)))
+    op = _op(e, ops)
+    acc["(unattributed)" if op is None else _scope(op)].append(float(e.get("dur", 0.0)))
   return [
     {
       "scope": scope,

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxkv.profiling import enable_hlo_dump, hlo_dump_beside, kernel_scopes, summarize_trace
+from jaxkv.profiling import enable_hlo_dump, hlo_dump_beside, kernel_ops, kernel_scopes, summarize_trace
 
 
 def _write(tmp_path, kernels, hlo_ops=None):
@@ -94,6 +94,9 @@ def test_scopes_skip_transformations_and_einsum_specs():
   assert scopes["gemm_fusion_2"] == "kda"  # "while", "body", "vmap(...)", the einsum spec and the primitive dropped
   assert scopes["loop_exponential_fusion"] == "sampler"  # no metadata: its fused computation's root's
   assert scopes["add_1"] == "(no scope)" and scopes["x"] == "(no scope)"
+  ops = kernel_ops(_HLO)
+  assert ops["gemm_fusion_2"] == "jit(main)/while/body/vmap(layer)/kda/...i,oi->...o/dot_general"
+  assert ops["loop_exponential_fusion"] == "jit(main)/sampler/exp"
 
 
 def test_kernels_per_scope_from_the_best_matching_module(tmp_path):
@@ -117,7 +120,12 @@ def test_kernels_per_scope_from_the_best_matching_module(tmp_path):
   assert rows["moe/experts"]["kernels_per_step"] == 1 and rows["moe/experts"]["share"] == pytest.approx(8 / 13)
   assert rows["(unattributed)"]["kernels_per_step"] == 1
   assert [r["scope"] for r in p["by_scope"]][0] == "moe/experts"  # heaviest first
-  assert "by_scope" not in summarize_trace(tmp_path, num_steps=2)
+  # Each top kernel names the op that made it (its scope and primitive), matched as for its scope.
+  ops = {t["name"]: t.get("op") for t in p["top"]}
+  assert ops["nvjet_gemm"] == kernel_ops(hlo)[moe] and ops["nvjet_gemm"].startswith("moe/experts/"), ops
+  assert ops[mhc].startswith("mhc/") and ops["memcpy"] is None
+  plain = summarize_trace(tmp_path, num_steps=2)
+  assert "by_scope" not in plain and all("op" not in t for t in plain["top"])
 
 
 def test_missing_hlo_and_late_dump_are_clear_errors(tmp_path):
