@@ -167,9 +167,12 @@ def summarize_trace(
   total = sum(sum(d) for d in by_name.values())
   ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
   ops = None if hlo_dir is None else _step_ops(events, hlo_dir)
+  top_names = {name for name, _ in ranked}
   op_of = {}  # a top kernel's op: what made it, where a kernel's name alone does not say
   for e in events if ops else ():
-    op_of.setdefault(e.get("name", "?"), _op(e, ops))
+    name = e.get("name", "?")
+    if name in top_names and name not in op_of:
+      op_of[name] = _op(e, ops)
   scoped = {} if ops is None else {"by_scope": _by_scope(events, ops, num_steps, total)}
   return {
     "device": "gpu" if _is_gpu(trace) else "cpu",
