@@ -193,7 +193,7 @@ def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, layout: Pag
   first_pos = jnp.full((num_reqs,), 2**30, jnp.int32).at[seen].min(pos, mode="drop")
   last_pos = jnp.full((num_reqs,), -1, jnp.int32).at[seen].max(pos, mode="drop")
   starts_at_zero = fresh & (first_pos == 0)
-  conv = jnp.where(starts_at_zero[:, None, None, None], 0, conv).astype(x.dtype)
+  conv = jnp.where(starts_at_zero[:, None, None, None], 0, conv).astype(x.dtype)  # [R, 3, kw-1, C]
   if read_states:
     rec, *prefix = states
     rec = jnp.where(starts_at_zero[:, None, None, None], 0.0, rec)
@@ -207,7 +207,7 @@ def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, layout: Pag
     slot = jnp.where(chunked & (slot != num_slots - 1), num_slots, slot)
   written = jnp.zeros((num_reqs, num_slots), bool).at[seen, slot].set(True, mode="drop")
 
-  mixed = attn.project(x)  # [T, 3, C]
+  mixed = attn.project(x)  # 3 x [T, C]
   g, beta = attn.gates(x)  # [T, H, K], [T, H]
   # Each token's conv window, oldest first: its request's kw-1 previous inputs come from this
   # step's tokens (a request's tokens are contiguous) or, before the chunk, from the conv state.
@@ -216,13 +216,13 @@ def _kda_step(attn, x, caches, view: KernelView, inputs: StepInputs, layout: Pag
   tap = jnp.arange(kw, dtype=jnp.int32)[None, :]
   lag = (kw - 1) - tap
   src = jnp.where(rank >= lag, jnp.arange(t, dtype=jnp.int32)[:, None] - lag, t + ri[:, None] * (kw - 1) + tap + rank)
-  raw = jnp.concatenate([mixed, conv.reshape(-1, 3, c)])  # [T + R * (kw-1), 3, C]
-  q, kk, v = attn.conv_qkv(raw[src], x.dtype)  # windows [T, kw, 3, C]
+  raws = [jnp.concatenate([m, conv[:, i].reshape(-1, c)]) for i, m in enumerate(mixed)]  # 3 x [T + R * (kw-1), C]
+  q, kk, v = attn.conv_qkv([r[src] for r in raws], x.dtype)  # windows 3 x [T, kw, C]
   # The conv state after a token is its window's last kw-1 inputs, gathered for the token of each
   # slot only (a slot no token names is not written): a scatter of every token's window, most of
   # them dropped, read all T windows (0.7 ms a layer in an 8,192-token step on an H100).
   slot_token = jnp.full((num_reqs, num_slots), t - 1, jnp.int32).at[seen, slot].set(jnp.arange(t), mode="drop")
-  conv_slots = raw[src[slot_token, 1:]]  # [R, S, kw-1, 3, C]
+  conv_slots = jnp.stack([r[src[slot_token, 1:]] for r in raws], axis=2)  # [R, S, 3, kw-1, C]
   if chunk is not None:
     # Heads on axis 1 of the token arrays and the state, 2 of the prefix's.
     chunk_fn = functools.partial(_chunk_kda_flat, implementation=layout.implementation("chunk_kda", implementation))
@@ -312,13 +312,13 @@ class _StatePage:
     return ((self.chunk, h, d),) * 3 + ((self.chunk, h),)
 
   def read(self, arr, rows, states=True):
-    """Conv windows ``[R, kw-1, 3, C]`` of blocks ``rows``, then (``states``) their states
+    """Conv windows ``[R, 3, kw-1, C]`` of blocks ``rows``, then (``states``) their states
     ``[R, H, K, K]`` and (chunked) the prefix's four arrays ``[R, chunk, H, ...]``."""
     n_conv, c = self._conv_words, self.heads * self.head_dim
     shapes = ((self.heads, self.head_dim, self.head_dim),) + self._prefix_shapes if states else ()
     sizes = [math.prod(s) for s in shapes]
     raw = read_rows(_as_words(arr), rows, self.view.offset_bytes // 4, n_conv + sum(sizes))
-    conv = _from_words(raw[:, :n_conv], self.state_dtype).reshape(-1, 3, self.conv_rows, c).transpose(0, 2, 1, 3)
+    conv = _from_words(raw[:, :n_conv], self.state_dtype).reshape(-1, 3, self.conv_rows, c)
     out, at = [conv], n_conv
     for shape, n in zip(shapes, sizes):
       out.append(jax.lax.bitcast_convert_type(raw[:, at : at + n], jnp.float32).reshape(-1, *shape))
@@ -326,10 +326,10 @@ class _StatePage:
     return tuple(out)
 
   def write(self, arr, dest, conv_slots, rec_slots=None):
-    """``arr`` with slots ``[R, S, kw-1, 3, C]`` / ``[R, S, H, K, K]`` written to blocks ``dest [R * S]``
+    """``arr`` with slots ``[R, S, 3, kw-1, C]`` / ``[R, S, H, K, K]`` written to blocks ``dest [R * S]``
     (out of range: not written); without ``rec_slots``, the conv windows only."""
     num_reqs, num_slots = conv_slots.shape[:2]
-    parts = [conv_slots[..., i, :] for i in range(3)] + ([] if rec_slots is None else [rec_slots])
+    parts = [conv_slots] + ([] if rec_slots is None else [rec_slots])
     new = jnp.concatenate([_to_words(p).reshape(num_reqs, num_slots, -1) for p in parts], axis=2)
     return _write_words(arr, dest, self.view.offset_bytes // 4, new.reshape(num_reqs * num_slots, -1))
 
