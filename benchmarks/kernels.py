@@ -36,15 +36,22 @@ E_MOE, D_MOE, F_MOE, K_MOE = 288, 4096, 2048, 8  # routed experts, hidden, exper
 H_KDA, D_KDA = 64, 128  # KDA heads, head dim (K = V)
 
 
-def _moe_tilings(block_ms, persistent):
-  """tokamax's own choice (no tiling: its heuristics, as it has no H200 data), then explicit
-  tilings (N tiles fastest in the grid, its ``Config`` default)."""
+def _moe_tilings(smem_bytes=227 * 1024):
+  """tokamax's own choice (no tiling: its Hopper heuristics, 64 x 64 x 128 tiles in 2 stages, M
+  tiles fastest), then larger output tiles in the same M-fastest order (``grid_minor_dim=0``).
+
+  The third session of 2026-12-04 swept 64-column tiles with N fastest, and tokamax's choice won
+  prefill by 1.3-1.5x (docs/performance.md, "The MoE's tiling"); its kernel runs one warpgroup
+  of wgmma, so wider tiles read each row tile fewer times. Kept: an accumulator of at most 128
+  float32 registers a thread (``block_m * block_n <= 16384``) and the stages' bf16 operand tiles
+  and the output tile within the H100/H200's 227 KiB of shared memory a block."""
   return [dict(path="tokamax")] + [
-    dict(path="tokamax", block_m=m, block_n=64, block_k=k, num_stages=s, split_k=1, persistent=p)
-    for m in block_ms
-    for k in (128, 256)
-    for s in (2, 4)
-    for p in persistent
+    dict(path="tokamax", block_m=m, block_n=n, block_k=k, num_stages=s, split_k=1, persistent=False, grid_minor_dim=0)
+    for m in (64, 128)
+    for n in (128, 256)
+    for k in (64, 128)
+    for s in (3, 4)
+    if m * n <= 16384 and 2 * (s * (m * k + k * n) + m * n) <= smem_bytes
   ]
 
 
@@ -115,7 +122,7 @@ SWEEP = [
   (
     "grouped_matmul",
     [dict(tokens=t, proj=p) for t in (2048, 8192) for p in ("gate_up", "down")],
-    _moe_tilings((64, 128), (False, True)),
+    _moe_tilings(),
   ),
   # The indexer's selection: entries a program (more programs a row where rows are few and long),
   # entries read at a time, warps.
