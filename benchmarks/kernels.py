@@ -38,14 +38,32 @@ H_KDA, D_KDA = 64, 128  # KDA heads, head dim (K = V)
 
 def _moe_tilings(smem_bytes=227 * 1024):
   """tokamax's own choice (no tiling: its Hopper heuristics, 64 x 64 x 128 tiles in 2 stages, M
-  tiles fastest), then larger output tiles in the same M-fastest order (``grid_minor_dim=0``).
+  tiles fastest), then two families of explicit tilings:
 
-  The third session of 2026-12-04 swept 64-column tiles with N fastest, and tokamax's choice won
-  prefill by 1.3-1.5x (docs/performance.md, "The MoE's tiling"); its kernel runs one warpgroup
-  of wgmma, so wider tiles read each row tile fewer times. Kept: an accumulator of at most 128
-  float32 registers a thread (``block_m * block_n <= 16384``) and the stages' bf16 operand tiles
-  and the output tile within the H100/H200's 227 KiB of shared memory a block."""
-  return [dict(path="tokamax")] + [
+  * the shape of tokamax's own H100 autotuning winners for DeepSeek-sized ragged dots (its
+    ``data/autotuning/nvidia_h100_80gb_hbm3/pallas_mosaic_gpu_ragged_dot.json``: 128 x 64 x 128
+    tiles, mostly persistent with N fastest in bands of 4-8 row tiles, ``grid_tile_width``), which
+    have no entry for this MoE's shapes;
+  * wider output tiles in the M-fastest order (``grid_minor_dim=0``): its kernel runs one
+    warpgroup of wgmma, so a wider tile reads each row tile fewer times. Kept: an accumulator of
+    at most 128 float32 registers a thread (``block_m * block_n <= 16384``) and the stages' bf16
+    operand tiles and the output tile within the H100/H200's 227 KiB of shared memory a block.
+
+  The third session of 2026-12-04 swept 64-column tiles with N fastest in bands of one row tile,
+  and tokamax's choice won prefill by 1.3-1.5x (docs/performance.md, "The MoE's tiling")."""
+  tile = dict(path="tokamax", block_m=128, block_n=64, block_k=128, split_k=1)
+  winners = [
+    dict(tile, num_stages=s, persistent=p, grid_minor_dim=d, grid_tile_width=w)
+    for s, p, d, w in (
+      (4, True, 1, 8),
+      (4, True, 1, 4),
+      (4, False, 1, 4),
+      (2, False, 0, 1),
+      (4, False, 0, 2),
+      (4, True, 0, 1),
+    )
+  ]
+  wide = [
     dict(path="tokamax", block_m=m, block_n=n, block_k=k, num_stages=s, split_k=1, persistent=False, grid_minor_dim=0)
     for m in (64, 128)
     for n in (128, 256)
@@ -53,6 +71,7 @@ def _moe_tilings(smem_bytes=227 * 1024):
     for s in (3, 4)
     if m * n <= 16384 and 2 * (s * (m * k + k * n) + m * n) <= smem_bytes
   ]
+  return [dict(path="tokamax")] + winners + wide
 
 
 # Swept at the goal sizes (``--sweep``); every setting is timed at each size and written down, and
