@@ -29,6 +29,8 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from jaxkv.gpu_target import GPU_TARGETS  # noqa: E402
+
 KPOOL, D_IDX, H_IDX, P = 4, 128, 32, 64
 CLOCK = "wall"  # --clock: "wall" (host timer around each loop) or "device" (the trace's kernel time)
 H_MLA, L_MLA, TOPK = 64, 512, 2048
@@ -36,7 +38,7 @@ E_MOE, D_MOE, F_MOE, K_MOE = 288, 4096, 2048, 8  # routed experts, hidden, exper
 H_KDA, D_KDA = 64, 128  # KDA heads, head dim (K = V)
 
 
-def _moe_tilings(smem_bytes=227 * 1024):
+def _moe_tilings(smem_bytes=GPU_TARGETS["NVIDIA H200"].shared_memory_bytes):
   """tokamax's own choice (no tiling: its Hopper heuristics, 64 x 64 x 128 tiles in 2 stages, M
   tiles fastest), then two families of explicit tilings:
 
@@ -47,7 +49,8 @@ def _moe_tilings(smem_bytes=227 * 1024):
   * wider output tiles in the M-fastest order (``grid_minor_dim=0``): its kernel runs one
     warpgroup of wgmma, so a wider tile reads each row tile fewer times. Kept: an accumulator of
     at most 128 float32 registers a thread (``block_m * block_n <= 16384``) and the stages' bf16
-    operand tiles and the output tile within the H100/H200's 227 KiB of shared memory a block.
+    operand tiles and the output tile within the shared memory a block may opt into (``GPU_TARGETS``:
+    227 KiB on the H100 and H200).
 
   The third session of 2026-12-04 swept 64-column tiles with N fastest in bands of one row tile,
   and tokamax's choice won prefill by 1.3-1.5x (docs/performance.md, "The MoE's tiling")."""
