@@ -32,8 +32,11 @@ Implementations (chosen by measurement, ``docs/performance.md`` and ``docs/kerne
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
+import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +53,8 @@ __all__ = [
   "grouped_matmul_reference",
   "grouped_matmul_implementation",
   "prepare_grouped_matmul",
+  "tokamax_tuning",
+  "tuning_path",
 ]
 
 IMPLEMENTATIONS = ("auto", "pallas", "tokamax", "xla")
@@ -171,9 +176,46 @@ def _grouped_matmul_pallas(lhs, rhs, group_sizes, tiling: tuple, interpret):
   )(group, start, rows, lhs, rhs)
 
 
+# tokamax's timings of this MoE's shapes, one file per GPU kind (benchmarks/tune_moe.py).
+TUNING_DIR = pathlib.Path(__file__).parent / "tuning"
+
+
 @functools.cache
 def _tokamax_available() -> bool:
   return importlib.util.find_spec("tokamax") is not None
+
+
+def tuning_path(device_kind: str) -> pathlib.Path:
+  """The file of tokamax's timings on ``device_kind``: ``tokamax_nvidia_h100_80gb_hbm3.json``."""
+  return TUNING_DIR / f"tokamax_{re.sub(r'[^a-z0-9]+', '_', device_kind.lower()).strip('_')}.json"
+
+
+@functools.cache
+def load_tokamax_tuning(device_kind: str):
+  """``tuning_path(device_kind)`` as a ``tokamax.AutotuningResult`` (JSON, parsed by tokamax's
+  pydantic model, never executed), or None where the GPU has no file."""
+  import tokamax
+
+  path = tuning_path(device_kind)
+  if not path.exists():
+    return None
+  try:
+    return tokamax.AutotuningResult.loads(path.read_text())
+  except Exception as e:  # pydantic's ValidationError or a JSON error, from another tokamax's file
+    raise RuntimeError(
+      f"{path} is not a tokamax {tokamax.__version__} AutotuningResult ({type(e).__name__}: {str(e)[:300]}): "
+      "rerun benchmarks/tune_moe.py on that GPU, or delete the file to run tokamax's heuristics."
+    ) from e
+
+
+@contextlib.contextmanager
+def tokamax_tuning():
+  """tokamax's autotuning cache overlaid with this GPU's tuning file (``tokamax.AutotuningResult``
+  as a context: tokamax's own way), so a ragged dot traced inside runs its shape's fastest timed
+  config; shapes without an entry keep tokamax's heuristics."""
+  result = load_tokamax_tuning(jax.devices()[0].device_kind)
+  with result if result is not None else contextlib.nullcontext():
+    yield
 
 
 def grouped_matmul_implementation(implementation: str, dtype=jnp.bfloat16, rows: int | None = None) -> str:
@@ -259,9 +301,10 @@ def grouped_matmul(
       from tokamax._src.ops.ragged_dot.pallas_mosaic_gpu import Config, PallasMosaicGpuRaggedDot
 
       kernel = PallasMosaicGpuRaggedDot(config=Config(**tiling))
-    return tokamax.ragged_dot(
-      lhs, rhs, group_sizes.astype(jnp.int32), preferred_element_type=lhs.dtype, implementation=(kernel,)
-    )
+    with tokamax_tuning():  # tokamax resolves its config as it traces
+      return tokamax.ragged_dot(
+        lhs, rhs, group_sizes.astype(jnp.int32), preferred_element_type=lhs.dtype, implementation=(kernel,)
+      )
   return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision)
 
 

@@ -1,0 +1,162 @@
+"""Tunes tokamax's ragged dot at the MoE's prefill steps, the library's way, for serving.
+
+    python benchmarks/tune_moe.py --tokens 8192,2048 --out results/tune   # on the GPU
+
+Steps of more than ``PALLAS_MAX_ROWS`` rows (32 tokens x 8 experts) run the MoE's routed GEMMs on
+tokamax's Mosaic GPU ragged dot. tokamax has no autotuning entry for this MoE's shapes (288
+experts), so it runs its heuristics' tiles (64 x 64 x 128), and its own search space keeps the
+output tile 64 columns wide; the sweep (``benchmarks/kernels.py --sweep --only grouped_matmul``)
+found 128 x 128 x 64 tiles 1.7-1.8x faster at 8,192 tokens on an H100 (docs/performance.md).
+
+For each step of T tokens (T x 8 rows, routed uniformly) and each projection (gate and up:
+``[288, 4096, 2048]``; down: ``[288, 2048, 4096]``) tokamax times, with its own benchmark
+(``BoundArguments.autotune``), its heuristics' config beside the sweep's best tilings. The
+timings go to ``pallas_kernels/tuning/tokamax_<device kind>.json`` as a ``tokamax.AutotuningResult``
+(merged with the file's earlier entries), which ``grouped_matmul`` enters around its tokamax call:
+tokamax then runs each tuned shape's fastest config, never one slower than its own choice (timed
+beside it); shapes without an entry run its heuristics as before.
+
+Then, through the serving path (``grouped_matmul``, no tiling): each tuned shape's config as
+tokamax resolves it, its output bitwise against the heuristics config's, and both timed by
+``benchmarks/kernels.py``'s loop. ``--out``: ``tune.json`` with those rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import kernels  # noqa: E402  (benchmarks/kernels.py: the MoE's dimensions and its timing loop)
+
+# The sweep's fastest tilings at 2,048 and 8,192 tokens on an H100 (docs/performance.md), and the
+# shape of tokamax's own H100 winners for DeepSeek-sized ragged dots.
+CANDIDATES = [
+  dict(block_m=128, block_n=128, block_k=64, num_stages=3, persistent=False, grid_minor_dim=0),
+  dict(block_m=128, block_n=128, block_k=64, num_stages=4, persistent=False, grid_minor_dim=0),
+  dict(block_m=128, block_n=128, block_k=128, num_stages=3, persistent=False, grid_minor_dim=0),
+  dict(block_m=64, block_n=128, block_k=64, num_stages=4, persistent=False, grid_minor_dim=0),
+  dict(block_m=128, block_n=64, block_k=128, num_stages=4, persistent=True, grid_minor_dim=1, grid_tile_width=8),
+]
+
+
+def moe_inputs(tokens: int, proj: str):
+  """The grouped matmul's arguments at a step of ``tokens`` tokens (``kernels.bench_grouped_matmul``'s)."""
+  import jax
+  import jax.numpy as jnp
+
+  rng = np.random.default_rng(7)
+  chosen = np.argsort(rng.random((tokens, kernels.E_MOE)), axis=1)[:, : kernels.K_MOE]
+  sizes = np.bincount(chosen.ravel(), minlength=kernels.E_MOE).astype(np.int32)
+  k, n = (kernels.D_MOE, kernels.F_MOE) if proj == "gate_up" else (kernels.F_MOE, kernels.D_MOE)
+  w = jax.random.normal(jax.random.key(8), (kernels.E_MOE, k, n), jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(9), (tokens * kernels.K_MOE, k), jnp.bfloat16)
+  return x, w, jnp.asarray(sizes)
+
+
+def bound_arguments(x, w, sizes):
+  """tokamax's bound arguments of the serving call, read from its lowering (as ``tokamax.autotune``
+  reads a function's): the autotuning key is the one serving looks up."""
+  import jax
+  from tokamax._src.autotuning.api import get_bound_args
+
+  from pallas_kernels.grouped_matmul import grouped_matmul
+
+  (ba,) = get_bound_args(jax.jit(lambda a, b, c: grouped_matmul(a, b, c, implementation="tokamax")), x, w, sizes)
+  return ba
+
+
+def tiling_of(config) -> dict:
+  return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--tokens", default="8192,2048", help="comma-separated step sizes in tokens (> 32)")
+  p.add_argument("--out", help="directory for tune.json")
+  p.add_argument("--iters", type=int, default=20, help="calls a timed loop (the serving-path check)")
+  p.add_argument("--repeats", type=int, default=5)
+  args = p.parse_args(argv)
+  import jax
+  import tokamax
+  from tokamax._src.ops.ragged_dot.pallas_mosaic_gpu import Config
+
+  from pallas_kernels.grouped_matmul import (
+    PALLAS_MAX_ROWS,
+    grouped_matmul,
+    load_tokamax_tuning,
+    tokamax_tuning,
+    tuning_path,
+  )
+
+  device_kind = jax.devices()[0].device_kind
+  tokens = [int(t) for t in args.tokens.split(",")]
+  if small := [t for t in tokens if t * kernels.K_MOE <= PALLAS_MAX_ROWS]:
+    raise SystemExit(f"--tokens {small}: steps of <= {PALLAS_MAX_ROWS} rows run the Pallas kernel, not tokamax.")
+  path = tuning_path(device_kind)
+  result = tokamax.AutotuningResult.loads(path.read_text()) if path.exists() else None
+  rows = []
+  for t in tokens:
+    for proj in ("gate_up", "down"):
+      x, w, sizes = moe_inputs(t, proj)
+      ba = bound_arguments(x, w, sizes)
+      heuristic = ba.heuristics_config
+      configs = {heuristic} | {Config(split_k=1, **c) for c in CANDIDATES}
+      data = ba.autotune(configs)
+      new = tokamax.AutotuningResult(device_kind, ((ba, data),))
+      result = new if result is None else result | new
+      path.parent.mkdir(parents=True, exist_ok=True)
+      path.write_text(result.dumps(prune_errors=True))  # after every shape: a cut run keeps what it timed
+      times = {c: d.median_evaluation_time_ms for c, d in data.items() if not isinstance(d, Exception)}
+      best = min(times, key=times.get)
+      rows.append(
+        {
+          "tokens": t,
+          "proj": proj,
+          "heuristic": tiling_of(heuristic),
+          "heuristic_ms": times.get(heuristic),
+          "best": tiling_of(best),
+          "best_ms": times[best],
+          "errors": {str(c): repr(d)[:200] for c, d in data.items() if isinstance(d, Exception)},
+        }
+      )
+      print(f"{t} tokens {proj}: heuristics {times.get(heuristic)} ms, best {times[best]:.3f} ms {best}", flush=True)
+  # The serving path, with the file just written: the config tokamax resolves, bits, time.
+  load_tokamax_tuning.cache_clear()
+  for row in rows:
+    x, w, sizes = moe_inputs(row["tokens"], row["proj"])
+    ba = bound_arguments(x, w, sizes)
+    with tokamax_tuning():
+      row["serving_config"] = tiling_of(ba.default_config)
+    served = grouped_matmul(x, w, sizes, implementation="tokamax")
+    heuristic = grouped_matmul(x, w, sizes, implementation="tokamax", tiling=row["heuristic"])
+    row["serving_is_best"] = row["serving_config"] == row["best"]
+    row["bitwise_equal_to_heuristic"] = bool(np.array_equal(np.asarray(served), np.asarray(heuristic)))
+    for name, tiling in (("serving", None), ("heuristic", row["heuristic"])):
+      t, _ = kernels.bench_grouped_matmul(
+        row["tokens"], row["proj"], "tokamax", args.iters, args.repeats, **({} if tiling is None else tiling)
+      )
+      row[f"{name}_loop_us"] = t * 1e6
+    print(
+      f"{row['tokens']} tokens {row['proj']}: serving runs the best: {row['serving_is_best']}, bitwise the "
+      f"heuristics': {row['bitwise_equal_to_heuristic']}, {row['serving_loop_us']:.1f} us against "
+      f"{row['heuristic_loop_us']:.1f} us",
+      flush=True,
+    )
+  if args.out:
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tune.json").write_text(
+      json.dumps({"device": device_kind, "file": str(path), "rows": rows}, indent=1, default=str)
+    )
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
