@@ -18,7 +18,10 @@ Implementations (chosen by measurement, ``docs/performance.md`` and ``docs/kerne
   steps. It reads each routed expert's weights once (tiles of experts without rows do nothing)
   and materializes nothing beyond its output. Its tiles are 64 rows: at decode sizes it reads an
   expert's 1-8 rows as a 64-row tile and runs 64 x 64 output tiles through a 2-stage pipeline,
-  about two thirds of the copy bandwidth (docs/performance.md).
+  about two thirds of the copy bandwidth (docs/performance.md). Shapes in the GPU's tuning table
+  (``TUNING_DIR``, written by ``benchmarks/tune_moe.py``) run the tiling tokamax's autotuner timed
+  fastest there instead of its heuristics' (1.7-1.8x faster at 8,192-token steps on an H100, and
+  bitwise the same output).
 * ``"xla"``: ``jax.lax.ragged_dot``. The CPU path and the tests' reference. On a GPU, XLA lowers it
   to a dense dot with the group axis folded into the contraction: it reads every expert's weights
   and at 16k rows of the released model tried to allocate 36 GiB (platform.md), so it is not a
@@ -32,9 +35,9 @@ Implementations (chosen by measurement, ``docs/performance.md`` and ``docs/kerne
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
+import json
 import pathlib
 import re
 
@@ -53,7 +56,7 @@ __all__ = [
   "grouped_matmul_reference",
   "grouped_matmul_implementation",
   "prepare_grouped_matmul",
-  "tokamax_tuning",
+  "tokamax_tilings",
   "tuning_path",
 ]
 
@@ -176,7 +179,8 @@ def _grouped_matmul_pallas(lhs, rhs, group_sizes, tiling: tuple, interpret):
   )(group, start, rows, lhs, rhs)
 
 
-# tokamax's timings of this MoE's shapes, one file per GPU kind (benchmarks/tune_moe.py).
+# The tiling tokamax's autotuner timed fastest for each of this MoE's shapes, one file per GPU kind
+# (benchmarks/tune_moe.py), as vLLM ships its fused_moe configs.
 TUNING_DIR = pathlib.Path(__file__).parent / "tuning"
 
 
@@ -186,36 +190,27 @@ def _tokamax_available() -> bool:
 
 
 def tuning_path(device_kind: str) -> pathlib.Path:
-  """The file of tokamax's timings on ``device_kind``: ``tokamax_nvidia_h100_80gb_hbm3.json``."""
-  return TUNING_DIR / f"tokamax_{re.sub(r'[^a-z0-9]+', '_', device_kind.lower()).strip('_')}.json"
+  """The tuning table of ``device_kind``: ``tokamax_ragged_dot_nvidia_h100_80gb_hbm3.json``."""
+  return TUNING_DIR / f"tokamax_ragged_dot_{re.sub(r'[^a-z0-9]+', '_', device_kind.lower()).strip('_')}.json"
 
 
 @functools.cache
-def load_tokamax_tuning(device_kind: str):
-  """``tuning_path(device_kind)`` as a ``tokamax.AutotuningResult`` (JSON, parsed by tokamax's
-  pydantic model, never executed), or None where the GPU has no file."""
-  import tokamax
-
+def tokamax_tilings(device_kind: str) -> dict[tuple[int, int, int, int], dict]:
+  """``(groups, rows, K, N)`` -> the fields of tokamax's ragged-dot ``Config`` timed fastest at that
+  shape on ``device_kind`` (JSON, parsed, never executed); empty where the GPU has no table."""
   path = tuning_path(device_kind)
   if not path.exists():
-    return None
+    return {}
   try:
-    return tokamax.AutotuningResult.loads(path.read_text())
-  except Exception as e:  # pydantic's ValidationError or a JSON error, from another tokamax's file
+    table = json.loads(path.read_text())
+    if table["device_kind"] != device_kind:
+      raise ValueError(f"its device_kind is {table['device_kind']!r}")
+    return {(int(s["groups"]), int(s["rows"]), int(s["k"]), int(s["n"])): dict(s["config"]) for s in table["shapes"]}
+  except (ValueError, KeyError, TypeError) as e:
     raise RuntimeError(
-      f"{path} is not a tokamax {tokamax.__version__} AutotuningResult ({type(e).__name__}: {str(e)[:300]}): "
-      "rerun benchmarks/tune_moe.py on that GPU, or delete the file to run tokamax's heuristics."
+      f"{path} is not a tuning table for {device_kind!r} ({type(e).__name__}: {e}): rerun "
+      "benchmarks/tune_moe.py on that GPU, or delete the file to run tokamax's heuristics."
     ) from e
-
-
-@contextlib.contextmanager
-def tokamax_tuning():
-  """tokamax's autotuning cache overlaid with this GPU's tuning file (``tokamax.AutotuningResult``
-  as a context: tokamax's own way), so a ragged dot traced inside runs its shape's fastest timed
-  config; shapes without an entry keep tokamax's heuristics."""
-  result = load_tokamax_tuning(jax.devices()[0].device_kind)
-  with result if result is not None else contextlib.nullcontext():
-    yield
 
 
 def grouped_matmul_implementation(implementation: str, dtype=jnp.bfloat16, rows: int | None = None) -> str:
@@ -268,8 +263,9 @@ def grouped_matmul(
     precision: the dot precision (the XLA path; the CPU reference runs HIGHEST).
     implementation: ``"auto"``, ``"pallas"``, ``"tokamax"`` or ``"xla"`` (the module docstring).
     tiling: the kernel's tiling, for tuning (``benchmarks/kernels.py --sweep --only
-      grouped_matmul``; None: the defaults): for ``"pallas"`` keys of ``TILING``, for ``"tokamax"``
-      fields of its ``PallasMosaicRaggedDotConfig``.
+      grouped_matmul``; None: the defaults, or for ``"tokamax"`` the GPU's tuning table's tiling
+      of this shape): for ``"pallas"`` keys of ``TILING``, for ``"tokamax"`` fields of its
+      ``PallasMosaicRaggedDotConfig``.
     interpret: the Pallas kernel in interpret mode (None: on the CPU).
 
   Example:
@@ -296,15 +292,19 @@ def grouped_matmul(
     import tokamax
 
     kernel = "mosaic"
-    if tiling is not None:  # tuning only: serving never reaches tokamax's private module
-      # tokamax.ops.gpu re-exports these, but imports its Triton kernels (and jax_triton) with them.
+    if tiling is None:  # this GPU's timed tiling for the shape, if any (else tokamax's heuristics)
+      tiling = tokamax_tilings(jax.devices()[0].device_kind).get((rhs.shape[0], *lhs.shape, rhs.shape[2]))
+    if tiling is not None:
+      # tokamax.ops.gpu re-exports these, but imports its Triton kernels with them (the triton and
+      # jax-triton packages). Its public overlay of the autotuning cache (tokamax.AutotuningResult as
+      # a context) never matches this op in tokamax 0.0.17: each instance gets a fresh vjp lambda, so
+      # no two compare equal, and the engine missed every entry on an H100 (docs/kernels.md).
       from tokamax._src.ops.ragged_dot.pallas_mosaic_gpu import Config, PallasMosaicGpuRaggedDot
 
       kernel = PallasMosaicGpuRaggedDot(config=Config(**tiling))
-    with tokamax_tuning():  # tokamax resolves its config as it traces
-      return tokamax.ragged_dot(
-        lhs, rhs, group_sizes.astype(jnp.int32), preferred_element_type=lhs.dtype, implementation=(kernel,)
-      )
+    return tokamax.ragged_dot(
+      lhs, rhs, group_sizes.astype(jnp.int32), preferred_element_type=lhs.dtype, implementation=(kernel,)
+    )
   return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision)
 
 

@@ -9,12 +9,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import json
+
+import pallas_kernels.grouped_matmul as gm
 from pallas_kernels.grouped_matmul import (
   PALLAS_MAX_ROWS,
   _tokamax_available,
   grouped_matmul,
   grouped_matmul_reference,
   grouped_matmul_implementation,
+  tokamax_tilings,
+  tuning_path,
 )
 
 ON_GPU = jax.default_backend() in ("gpu", "cuda")
@@ -125,3 +130,76 @@ def test_pallas_row_is_bitwise_the_same_in_any_group_layout():
   bits = lambda a: a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
   for other in outs[1:]:
     np.testing.assert_array_equal(bits(other), bits(outs[0]))
+
+
+# The tuning tables (benchmarks/tune_moe.py): one per GPU kind, read by the tokamax path.
+TABLES = sorted(gm.TUNING_DIR.glob("*.json"))
+
+
+def test_a_tuning_table_is_read_for_its_device_and_shapes_only(tmp_path, monkeypatch):
+  monkeypatch.setattr(gm, "TUNING_DIR", tmp_path)
+  tokamax_tilings.cache_clear()
+  config = dict(block_m=128, block_n=128, block_k=64, num_stages=3)
+  shape = dict(groups=288, rows=65536, k=4096, n=2048)
+  table = dict(device_kind="NVIDIA H100 80GB HBM3", shapes=[dict(**shape, config=config, ms=2.3, heuristic_ms=4.7)])
+  tuning_path("NVIDIA H100 80GB HBM3").write_text(json.dumps(table))
+  try:
+    assert tuning_path("NVIDIA H100 80GB HBM3").name == "tokamax_ragged_dot_nvidia_h100_80gb_hbm3.json"
+    assert tokamax_tilings("NVIDIA H100 80GB HBM3") == {(288, 65536, 4096, 2048): config}
+    assert tokamax_tilings("NVIDIA H200") == {}  # no table: tokamax's heuristics
+    # A table under another GPU's name, or not JSON: an error naming the file and the fix.
+    tuning_path("NVIDIA H200").write_text(json.dumps(table))
+    tokamax_tilings.cache_clear()  # read once a process: its H200 entry was "no table"
+    with pytest.raises(RuntimeError, match="tokamax_ragged_dot_nvidia_h200.json.*device_kind is 'NVIDIA H100"):
+      tokamax_tilings("NVIDIA H200")
+    tuning_path("NVIDIA B200").write_text("{not json")
+    with pytest.raises(RuntimeError, match="rerun benchmarks/tune_moe.py"):
+      tokamax_tilings("NVIDIA B200")
+  finally:
+    tokamax_tilings.cache_clear()
+
+
+@pytest.mark.parametrize("path", TABLES, ids=lambda p: p.name)
+def test_tuning_tables_are_well_formed_and_run_bitwise_on_their_gpu(path):
+  """Each table's shapes and tilings; on its GPU kind (with tokamax), each shape's serving call."""
+  table = json.loads(path.read_text())
+  assert tuning_path(table["device_kind"]) == path
+  tilings = tokamax_tilings(table["device_kind"])
+  assert len(tilings) == len(table["shapes"]) > 0
+  for s in table["shapes"]:
+    assert s["rows"] > PALLAS_MAX_ROWS, f"{s}: steps of <= {PALLAS_MAX_ROWS} rows never run tokamax"
+    assert tilings[s["groups"], s["rows"], s["k"], s["n"]] == s["config"]
+    # Never slower than tokamax's own choice, timed beside it.
+    assert 0 < s["ms"] <= s["heuristic_ms"], s
+    for key in ("block_m", "block_n", "block_k"):
+      assert s["config"][key] & (s["config"][key] - 1) == 0, f"{key} {s['config'][key]} is not a power of two"
+    if ON_GPU_WITH_TOKAMAX and jax.devices()[0].device_kind == table["device_kind"]:
+      _check_tuned_tiling((s["groups"], s["rows"], s["k"], s["n"]), s["config"])
+
+
+def _check_tuned_tiling(shape, tiling):
+  """The serving call runs the table's tiling (bitwise its output), which computes bitwise what
+  tokamax's heuristics' tiling does, and matches the definition."""
+  groups, m, k, n = shape
+  rng = np.random.default_rng(m + k)
+  chosen = np.argsort(rng.random((m // 8, groups)), axis=1)[:, :8]  # 8 experts a token, as routed
+  sizes = jnp.asarray(np.bincount(chosen.ravel(), minlength=groups).astype(np.int32))
+  lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  rhs = jax.random.normal(jax.random.key(m), (groups, k, n), jnp.bfloat16) / float(np.sqrt(k))
+  served = np.asarray(grouped_matmul(lhs, rhs, sizes, implementation="tokamax"))
+  tuned = np.asarray(grouped_matmul(lhs, rhs, sizes, implementation="tokamax", tiling=tiling))
+  tokamax_tilings.cache_clear()
+  try:
+    with pytest.MonkeyPatch.context() as mp:
+      mp.setattr(gm, "TUNING_DIR", gm.TUNING_DIR / "absent")
+      heuristic = np.asarray(grouped_matmul(lhs, rhs, sizes, implementation="tokamax"))
+  finally:
+    tokamax_tilings.cache_clear()
+  np.testing.assert_array_equal(served, tuned)
+  np.testing.assert_array_equal(served, heuristic)
+  # The definition on a sample of rows (the whole reference would gather [m, k, n] weights).
+  ends = np.cumsum(np.asarray(sizes))
+  rows = rng.choice(m, 64, replace=False)
+  group = np.searchsorted(ends, rows, side="right")
+  want = np.einsum("rk,rkn->rn", np.asarray(lhs[rows], np.float32), np.asarray(rhs[group], np.float32))
+  np.testing.assert_allclose(served[rows].astype(np.float32), want, rtol=2e-2, atol=2e-2)
