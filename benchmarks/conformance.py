@@ -390,6 +390,14 @@ def read_rows(paths) -> list[dict]:
   return [json.loads(line) for path in paths for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
 
 
+def finished_cells(paths) -> set[str]:
+  """The cells of ``paths`` that ran to a result; one that ended in an error (out of memory beside
+  other shards) is not finished, so a resumed matrix runs it again."""
+  return {
+    _key(r["model"], {k: _setting(r, k) for k in SPACE}) for r in read_rows(paths) if "model" in r and "error" not in r
+  }
+
+
 def _key(model: str, cell: dict) -> str:
   return json.dumps({"model": model, **cell}, sort_keys=True)
 
@@ -399,7 +407,8 @@ def main(argv=None) -> int:
   p.add_argument(
     "--out",
     default="conformance.jsonl",
-    help="JSON lines, one per cell, appended as they finish; cells already in it are skipped",
+    help="JSON lines, one per cell, appended as they finish; cells already in it are skipped (those "
+    "that ended in an error run again)",
   )
   p.add_argument("--models", default="tiny,slice", help="comma-separated: tiny, slice")
   p.add_argument(
@@ -424,7 +433,11 @@ def main(argv=None) -> int:
   p.add_argument("--markdown", metavar="JSONL", nargs="+", help="print the table of finished runs and exit")
   args = p.parse_args(argv)
   if args.markdown:
-    rows = {_key(r["model"], {k: _setting(r, k) for k in SPACE}): r for r in read_rows(args.markdown) if "model" in r}
+    rows = {}
+    for r in read_rows(args.markdown):  # a cell's later row wins, but an error never hides a result
+      key = _key(r["model"], {k: _setting(r, k) for k in SPACE}) if "model" in r else None
+      if key is not None and (key not in rows or "error" in rows[key] or "error" not in r):
+        rows[key] = r
     order = {_key(m, c): i for i, (m, c) in enumerate((m, c) for m in MODELS for c in all_cells())}
     print(
       markdown(
@@ -448,11 +461,7 @@ def main(argv=None) -> int:
   import jax
 
   out = pathlib.Path(args.out)
-  done = {
-    _key(r["model"], {k: _setting(r, k) for k in SPACE})
-    for r in (read_rows([out]) if out.exists() else [])
-    if "model" in r
-  }
+  done = finished_cells([out]) if out.exists() else set()
   todo = [(m, c) for m in args.models.split(",") for c in cells][shard::num_shards]
   # Grouped by weights, so that each process builds each model's weights once per dtype.
   todo = sorted(((m, c) for m, c in todo if _key(m, c) not in done), key=lambda mc: (mc[0], mc[1]["dtype"]))

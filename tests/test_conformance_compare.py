@@ -74,3 +74,23 @@ def test_code_version_follows_the_sources(tmp_path):
   assert conformance.code_version(tmp_path) == first
   (tmp_path / "models" / "a.py").write_text("x = 2\n")
   assert conformance.code_version(tmp_path) != first
+
+
+def test_a_resumed_matrix_reruns_errors_and_its_table_keeps_results(tmp_path, capsys):
+  """h200.sh copies an earlier call's cells into each shard's file: the cell that ended in an error
+  is not skipped, and in the table a later error never hides a cell's result."""
+  ok = _row("a")
+  failed = {k: v for k, v in _row("a", layout="dense").items() if k not in ("tokens", "logprobs")}
+  failed["error"] = "RESOURCE_EXHAUSTED: out of memory"
+  earlier = tmp_path / "shard-0.jsonl"
+  earlier.write_text("\n".join(conformance.json.dumps(r) for r in (ok, failed)) + "\n")
+  rerun = tmp_path / "shard-1.jsonl"  # the same earlier rows again (each shard's copy), then the rerun
+  rerun.write_text(earlier.read_text() + conformance.json.dumps(_row("a", layout="dense")) + "\n")
+  again = tmp_path / "shard-2.jsonl"
+  again.write_text(earlier.read_text())
+  assert conformance.main(["--markdown", str(rerun), str(again)]) == 0
+  table = capsys.readouterr().out
+  assert "FAIL" not in table and "2 of 2 cells pass" in table
+  cell = lambda r: conformance._key("tiny", {k: conformance._setting(r, k) for k in conformance.SPACE})
+  assert conformance.finished_cells([earlier]) == {cell(ok)}  # the errored cell runs again
+  assert conformance.finished_cells([rerun]) == {cell(ok), cell(failed)}
