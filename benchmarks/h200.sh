@@ -22,8 +22,8 @@
 #                                        # each (e.g. DIR . with SUITE_S=0, OTHER_ARGS=
 #                                        # "--implementation xla": one tree, two paths)
 #
-# CONF: a folder of earlier calls' conformance JSON lines; their finished cells are skipped (cells
-# that ended in an error run again), and the matrix's table shows them beside this call's.
+# CONF: folders (space-separated) of earlier calls' conformance JSON lines; their finished cells
+# are skipped (cells that ended in an error run again), and the table shows them beside this call's.
 # SHARDS: the matrix's processes sharing the GPU (6; on an H100's 78 GiB six ran its float32 slice
 # cells out of memory, 2026-12-06: use 3 there).
 # MATRIX_S / SUITE_S / SWEEP_S / PERF_S: the parts' time limits in seconds (SUITE_S=0: ab skips
@@ -72,7 +72,7 @@ matrix() {
   mkdir -p "$out/c"
   for i in $(seq 0 $((${SHARDS:-6} - 1))); do
     # Each shard skips the cells already in its --out file: every earlier cell goes into each.
-    [ -n "${CONF:-}" ] && cat "$CONF"/*.jsonl >"$out/c/shard-$i.jsonl" 2>/dev/null
+    for d in ${CONF:-}; do cat "$d"/*.jsonl; done >"$out/c/shard-$i.jsonl" 2>/dev/null
     timeout $((${MATRIX_S:-420} + 150)) python benchmarks/conformance.py --shard "$i/${SHARDS:-6}" --out "$out/c/shard-$i.jsonl" \
       --time-budget "${MATRIX_S:-420}" >"$out/c/log-$i.txt" 2>&1 &
   done
