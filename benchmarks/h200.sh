@@ -15,6 +15,9 @@
 #                                        # and its wheels carried in .wheels/hf/: docs/performance.md,
 #                                        # "Reproduce"), then 32 x 1,024 tokens in 8,192-token steps,
 #                                        # profiled, without and with a long-prefill cap of 256
+#   bash benchmarks/h200.sh tune         # the grouped matmul's tests, then the MoE's tiling tuned at
+#                                        # $TUNE_TOKENS (benchmarks/tune_moe.py): the GPU's tuning
+#                                        # table comes back in tune/tuning/, to commit
 #   bash benchmarks/h200.sh ab DIR       # another checkout (a branch: git archive it into DIR and
 #                                        # carry DIR): its GPU suites, then performance.py at
 #                                        # batches 1 and 32, this tree and DIR interleaved, twice;
@@ -35,7 +38,7 @@
 # the device cannot reach an index.
 set -u
 end=$((SECONDS + ${CALL_S:-580}))
-mode=${1:?usage: bash benchmarks/h200.sh correctness|matrix|suites|kernels|timing|prefill|ab DIR}
+mode=${1:?usage: bash benchmarks/h200.sh correctness|matrix|suites|tune|kernels|timing|prefill|ab DIR}
 mkdir -p "${OUT:-.}/$mode"
 out=$(cd "${OUT:-.}/$mode" && pwd) # absolute: the ab mode runs in two trees
 if ls .wheels/*.whl >/dev/null 2>&1; then
@@ -111,6 +114,12 @@ case $mode in
       done
     done
     ;;
+  tune)
+    run 240 grouped-matmul-tests.txt python -m pytest -q -p no:benchmark -W ignore tests/test_grouped_matmul.py
+    run "${SWEEP_S:-300}" tune.txt python benchmarks/tune_moe.py --tokens "${TUNE_TOKENS:-8192,4096,2048,1024,512,256,128,64}" \
+      --out "$out"
+    mkdir -p "$out/tuning" && cp pallas_kernels/tuning/*.json "$out/tuning/"
+    ;;
   kernels)
     # The indexer's selection against XLA's sort; the mHC kernel against the XLA path it replaced
     # (2 calls a loop, timed by the trace's kernel time: XLA compiled 10 unrolled calls of the
@@ -144,7 +153,7 @@ case $mode in
       --long-prefill-token-threshold 0,256 --profile /tmp/prof-8192 --out "$out/budget-8192.jsonl" # the traces stay there: the rows carry their summaries
     ;;
   *)
-    echo "unknown mode $mode: want correctness, matrix, suites, kernels, timing, prefill or ab DIR" >&2
+    echo "unknown mode $mode: want correctness, matrix, suites, tune, kernels, timing, prefill or ab DIR" >&2
     exit 2
     ;;
 esac
