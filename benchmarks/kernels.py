@@ -294,16 +294,12 @@ def bench_sparse_mla(batch, ctx, impl, iters, repeats, cache_dtype="bfloat16", *
   return t, nbytes
 
 
-def bench_grouped_matmul(tokens, proj, impl, iters, repeats, path=None, **tune):
-  """One routed-expert projection of the released MoE: ``tokens`` x 8 rows (each token's 8 experts
-  drawn uniformly, rows sorted by expert) times ``[288, K, N]`` bf16 weights; ``proj`` ``"gate_up"``
-  (K 4096, N 2048: gate and up each run one) or ``"down"`` (2048 -> 4096). ``impl``: ``"pallas"``
-  (``path="tokamax"``: tokamax's kernel), ``"tokamax"`` or ``"xla"``; ``tune`` the kernel's
-  tiling. Bytes: the weights of the experts that have rows, the rows in and out (prefill sizes are
-  bound by the matmul rate instead: ``2 M K N`` FLOPs)."""
+def moe_inputs(tokens: int, proj: str):
+  """One routed-expert projection's arguments at a step of ``tokens`` tokens: ``tokens`` x 8 rows
+  (each token's 8 experts drawn uniformly, rows sorted by expert), ``[288, K, N]`` bf16 weights
+  (``proj`` ``"gate_up"``: K 4096, N 2048; ``"down"``: 2048 -> 4096) and the experts' row counts."""
   import jax
   import jax.numpy as jnp
-  from pallas_kernels.grouped_matmul import grouped_matmul
 
   rng = np.random.default_rng(7)
   chosen = np.argsort(rng.random((tokens, E_MOE)), axis=1)[:, :K_MOE]
@@ -311,14 +307,28 @@ def bench_grouped_matmul(tokens, proj, impl, iters, repeats, path=None, **tune):
   k, n = (D_MOE, F_MOE) if proj == "gate_up" else (F_MOE, D_MOE)
   w = jax.random.normal(jax.random.key(8), (E_MOE, k, n), jnp.bfloat16)
   x = jax.random.normal(jax.random.key(9), (tokens * K_MOE, k), jnp.bfloat16)
+  return x, w, jnp.asarray(sizes)
+
+
+def bench_grouped_matmul(tokens, proj, impl, iters, repeats, path=None, **tune):
+  """One routed-expert projection of the released MoE: ``tokens`` x 8 rows (each token's 8 experts
+  drawn uniformly, rows sorted by expert) times ``[288, K, N]`` bf16 weights; ``proj`` ``"gate_up"``
+  (K 4096, N 2048: gate and up each run one) or ``"down"`` (2048 -> 4096). ``impl``: ``"pallas"``
+  (``path="tokamax"``: tokamax's kernel), ``"tokamax"`` or ``"xla"``; ``tune`` the kernel's
+  tiling. Bytes: the weights of the experts that have rows, the rows in and out (prefill sizes are
+  bound by the matmul rate instead: ``2 M K N`` FLOPs)."""
+  from pallas_kernels.grouped_matmul import grouped_matmul
+
+  x, w, sizes = moe_inputs(tokens, proj)
   implementation = path or impl
 
   def step(x_, c):
     out = grouped_matmul(x_, c[0], c[1], implementation=implementation, tiling=tune or None)
     return x_ + _dep(out).astype(x_.dtype)
 
-  t = _timeit(step, x, (w, jnp.asarray(sizes)), iters, repeats)
-  return t, np.count_nonzero(sizes) * k * n * 2 + x.nbytes + tokens * K_MOE * n * 2
+  t = _timeit(step, x, (w, sizes), iters, repeats)
+  k, n = w.shape[1:]
+  return t, int(np.count_nonzero(np.asarray(sizes))) * k * n * 2 + x.nbytes + tokens * K_MOE * n * 2
 
 
 def _kda_inputs(reqs, tokens):

@@ -47,20 +47,6 @@ CANDIDATES = [
 ]
 
 
-def moe_inputs(tokens: int, proj: str):
-  """The grouped matmul's arguments at a step of ``tokens`` tokens (``kernels.bench_grouped_matmul``'s)."""
-  import jax
-  import jax.numpy as jnp
-
-  rng = np.random.default_rng(7)
-  chosen = np.argsort(rng.random((tokens, kernels.E_MOE)), axis=1)[:, : kernels.K_MOE]
-  sizes = np.bincount(chosen.ravel(), minlength=kernels.E_MOE).astype(np.int32)
-  k, n = (kernels.D_MOE, kernels.F_MOE) if proj == "gate_up" else (kernels.F_MOE, kernels.D_MOE)
-  w = jax.random.normal(jax.random.key(8), (kernels.E_MOE, k, n), jnp.bfloat16)
-  x = jax.random.normal(jax.random.key(9), (tokens * kernels.K_MOE, k), jnp.bfloat16)
-  return x, w, jnp.asarray(sizes)
-
-
 def bound_arguments(x, w, sizes):
   """tokamax's bound arguments of the serving call, read from its lowering as ``tokamax.autotune``
   reads a function's."""
@@ -117,7 +103,7 @@ def main(argv=None) -> int:
   rows = []
   for t in tokens:
     for proj in ("gate_up", "down"):
-      x, w, sizes = moe_inputs(t, proj)
+      x, w, sizes = kernels.moe_inputs(t, proj)
       ba = bound_arguments(x, w, sizes)
       heuristic = ba.heuristics_config
       data = ba.autotune({heuristic} | {Config(split_k=1, **c) for c in CANDIDATES})
@@ -139,7 +125,7 @@ def main(argv=None) -> int:
   # The serving path, with the table just written: bits and time against the heuristics' config.
   tokamax_tilings.cache_clear()
   for row in rows:
-    x, w, sizes = moe_inputs(row["tokens"], row["proj"])
+    x, w, sizes = kernels.moe_inputs(row["tokens"], row["proj"])
     row["serving_tiling"] = tokamax_tilings(device_kind).get(key(row))
     served = grouped_matmul(x, w, sizes, implementation="tokamax")
     heuristic = grouped_matmul(x, w, sizes, implementation="tokamax", tiling=row["heuristic"])
