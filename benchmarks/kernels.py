@@ -139,13 +139,17 @@ SWEEP = [
   ),
   (
     "grouped_matmul",
-    [dict(tokens=t, proj=p) for t in (1, 32) for p in ("gate_up", "down")],
+    [dict(tokens=t, proj=p) for t in (1, 8, 32) for p in ("gate_up", "down")],
     [dict(path="tokamax"), {}]
     + [
       dict(block_n=n, block_k=k, num_stages=s)
       for n, k, s in ((64, 128, 4), (256, 128, 4), (128, 64, 4), (128, 128, 3), (128, 256, 3))
     ]
-    + [dict(block_n=128, block_k=128, num_warps=8), dict(block_n=256, block_k=64, num_stages=5)],
+    + [dict(block_n=128, block_k=128, num_warps=8), dict(block_n=256, block_k=64, num_stages=5)]
+    # The K loop split (twelfth session): at one token the step lists 9 row blocks, 144 programs
+    # for 132 SMs, each streaming 1 MiB of an expert one tile after another.
+    + [dict(split_k=s) for s in (2, 4, 8)]
+    + [dict(block_n=64, split_k=s) for s in (2, 4)],
   ),
   # The indexer's selection: entries a program (more programs a row where rows are few and long),
   # entries read at a time, warps.
@@ -671,7 +675,10 @@ def run(args):
     "topk_selection": bench_topk_selection,
   }
   only = args.only.split(",") if args.only else list(fns)
-  cases = [c for c in cases if c[0] in only]
+  tokens = {int(t) for t in args.tokens.split(",")} if args.tokens else None
+  # sizes without "tokens" (batch, rows) are kept: --tokens narrows the kernels that take it
+  sized = lambda kw: tokens is None or kw.get("tokens", next(iter(tokens))) in tokens
+  cases = [c for c in cases if c[0] in only and sized(c[1])]
   result = {
     "device": dev.device_kind,
     "jax": jax.__version__,
@@ -690,7 +697,7 @@ def run(args):
   for name, sizes, grid in SWEEP if args.sweep else ():
     if name not in only:
       continue
-    for kw in sizes:
+    for kw in filter(sized, sizes):
       for tune in grid:
         try:
           t, nbytes = fns[name](**kw, impl="pallas", iters=args.iters, repeats=args.repeats, **tune)
@@ -819,6 +826,9 @@ def main():
   p.add_argument("--sweep-only", action="store_true", help="with --sweep: stop after the sweep")
   p.add_argument("--plot", metavar="JSON", help="plot a results file and exit")
   p.add_argument("--only", metavar="KERNELS", help="comma-separated kernels to run (default: all)")
+  p.add_argument(
+    "--tokens", metavar="T,...", help="sweep and time only these sizes of the kernels that take tokens (default: all)"
+  )
   p.add_argument(
     "--clock",
     choices=("wall", "device"),
