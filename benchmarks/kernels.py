@@ -145,11 +145,7 @@ SWEEP = [
       dict(block_n=n, block_k=k, num_stages=s)
       for n, k, s in ((64, 128, 4), (256, 128, 4), (128, 64, 4), (128, 128, 3), (128, 256, 3))
     ]
-    + [dict(block_n=128, block_k=128, num_warps=8), dict(block_n=256, block_k=64, num_stages=5)]
-    # The K loop split (twelfth session): at one token the step lists 9 row blocks, 144 programs
-    # for 132 SMs, each streaming 1 MiB of an expert one tile after another.
-    + [dict(split_k=s) for s in (2, 4, 8)]
-    + [dict(block_n=64, split_k=s) for s in (2, 4)],
+    + [dict(block_n=128, block_k=128, num_warps=8), dict(block_n=256, block_k=64, num_stages=5)],
   ),
   # The indexer's selection: entries a program (more programs a row where rows are few and long),
   # entries read at a time, warps.

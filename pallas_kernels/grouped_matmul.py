@@ -66,23 +66,19 @@ IMPLEMENTATIONS = ("auto", "pallas", "tokamax", "xla")
 # matmul").
 PALLAS_MAX_ROWS = 256
 # The Pallas kernel's tiling: rows of one expert per block (Triton's smallest dot tile), output
-# columns and contraction per loop step, warps, pipeline stages, and the contraction's splits
-# (split_k > 1: each program runs one of split_k consecutive ranges of the K loop into float32
-# partials, summed in split order; more programs for the few row blocks of a decode step;
-# docs/kernels.md).
-TILING = dict(block_m=MIN_DOT_ROWS, block_n=128, block_k=128, num_warps=4, num_stages=4, split_k=1)
+# columns and contraction per loop step, warps and pipeline stages (docs/kernels.md).
+TILING = dict(block_m=MIN_DOT_ROWS, block_n=128, block_k=128, num_warps=4, num_stages=4)
 
 
 def _grouped_matmul_kernel(
-  group_ref, start_ref, rows_ref, lhs_ref, rhs_ref, out_ref, *, block_m, block_n, block_k, split_k, precision
+  group_ref, start_ref, rows_ref, lhs_ref, rhs_ref, out_ref, *, block_m, block_n, block_k, precision
 ):
   # group_ref / start_ref / rows_ref: [B] each row block's group (-1: rows past the groups, written
   # as zeros), first row and row count (0: an unused block); lhs_ref: [M, K]; rhs_ref: [G, K, N];
-  # out_ref: [M, N], or [split_k, M, N] float32 partials. Program (b, j, s): block b's rows times
-  # its group's columns j * block_n + [0, block_n), over the s-th range of the K loop.
-  b, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  # out_ref: [M, N]. Program (b, j): block b's rows times its group's columns j * block_n + [0, block_n).
+  b, j = pl.program_id(0), pl.program_id(1)
   m, k = lhs_ref.shape
-  n = out_ref.shape[-1]
+  n = out_ref.shape[1]
   g = group_ref[b]
   rows = start_ref[b] + jnp.arange(block_m, dtype=jnp.int32)
   live = jnp.arange(block_m, dtype=jnp.int32) < rows_ref[b]
@@ -90,12 +86,8 @@ def _grouped_matmul_kernel(
   col_in = cols < n
   ge = jnp.maximum(g, 0)
 
-  k_steps = pl.cdiv(k, block_k)
-  per_split = pl.cdiv(k_steps, split_k)
-  first = s * per_split
-
   def step(i, acc):
-    ks = (first + i) * block_k + jnp.arange(block_k, dtype=jnp.int32)
+    ks = i * block_k + jnp.arange(block_k, dtype=jnp.int32)
     k_in = ks < k
     # Dead rows read row m - 1 (masked): every address stays inside.
     x = pltriton.load(
@@ -105,12 +97,12 @@ def _grouped_matmul_kernel(
     return acc + jnp.dot(x, w, precision=precision, preferred_element_type=jnp.float32)
 
   # No branch around the loop (it would keep Triton from pipelining it): blocks of no group loop
-  # zero times and store zeros, unused blocks store nothing. The trip count is built from int32
-  # scalars (a bool-derived bound failed Triton's verifier at 64-bit addressing; docs/kernels.md).
-  steps = jnp.where(g >= 0, jnp.clip(jnp.int32(k_steps) - first, 0, per_split).astype(jnp.int32), jnp.int32(0))
+  # zero times and store zeros, unused blocks store nothing.
+  steps = jnp.where(g >= 0, jnp.int32(pl.cdiv(k, block_k)), jnp.int32(0))
   acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_n), jnp.float32))
-  dst = out_ref.at[rows[:, None], cols[None, :]] if split_k == 1 else out_ref.at[s, rows[:, None], cols[None, :]]
-  pltriton.store(dst, acc.astype(out_ref.dtype), mask=live[:, None] & col_in[None, :])
+  pltriton.store(
+    out_ref.at[rows[:, None], cols[None, :]], acc.astype(out_ref.dtype), mask=live[:, None] & col_in[None, :]
+  )
 
 
 def _row_blocks(group_sizes: Int[Array, " G"], m: int, block_m: int):
@@ -155,8 +147,6 @@ def _check_tiling(tiling: dict) -> dict:
     v = t[key]
     if v < MIN_DOT_ROWS or v & (v - 1):
       raise ValueError(f"tiling {key}={v} must be a power of two >= {MIN_DOT_ROWS} (Triton's dot tiles).")
-  if not isinstance(t["split_k"], int) or t["split_k"] < 1:
-    raise ValueError(f"tiling split_k={t['split_k']!r} must be an int >= 1 (1: one program runs the whole K loop).")
   return t
 
 
@@ -169,33 +159,24 @@ def _grouped_matmul_pallas(lhs, rhs, group_sizes, tiling: tuple, interpret):
   # Tiles no larger than the matrices need (powers of two, at least Triton's 16).
   bn = min(t["block_n"], max(MIN_DOT_ROWS, pl.next_power_of_2(n)))
   bk = min(t["block_k"], max(MIN_DOT_ROWS, pl.next_power_of_2(k)))
-  # No more splits than K steps (a split past the last step stores zeros).
-  split = min(t["split_k"], pl.cdiv(k, bk))
   group, start, rows = _row_blocks(group_sizes, m, t["block_m"])
   exact = lhs.dtype == jnp.float32
-  out = pl.pallas_call(
+  return pl.pallas_call(
     functools.partial(
       _grouped_matmul_kernel,
       block_m=t["block_m"],
       block_n=bn,
       block_k=bk,
-      split_k=split,
       precision=jax.lax.Precision.HIGHEST if exact else None,
     ),
-    out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype)
-    if split == 1
-    else jax.ShapeDtypeStruct((split, m, n), jnp.float32),
-    grid=(group.shape[0], pl.cdiv(n, bn), split),
+    out_shape=jax.ShapeDtypeStruct((m, n), lhs.dtype),
+    grid=(group.shape[0], pl.cdiv(n, bn)),
     in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 5,
     out_specs=pl.BlockSpec(memory_space=pl.ANY),
     compiler_params=pltriton.CompilerParams(num_warps=t["num_warps"], num_stages=t["num_stages"]),
     interpret=default_interpret(interpret),
     name="grouped_matmul",
   )(group, start, rows, lhs, rhs)
-  if split == 1:
-    return out
-  # The partials summed in split order (one fusion; a fixed order, so the bits do not vary by run).
-  return functools.reduce(jnp.add, list(out)).astype(lhs.dtype)
 
 
 # The tiling tokamax's autotuner timed fastest for each of this MoE's shapes, one file per GPU kind
