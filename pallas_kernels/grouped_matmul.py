@@ -302,9 +302,18 @@ def grouped_matmul(
       from tokamax._src.ops.ragged_dot.pallas_mosaic_gpu import Config, PallasMosaicGpuRaggedDot
 
       kernel = PallasMosaicGpuRaggedDot(config=Config(**tiling))
-    return tokamax.ragged_dot(
-      lhs, rhs, group_sizes.astype(jnp.int32), preferred_element_type=lhs.dtype, implementation=(kernel,)
+    # tokamax's Mosaic GPU kernel takes rows in multiples of 8 (67 rows raised "dimension 0 must
+    # have size smaller or a multiple of its tiling 8" on an H100): the pad rows fall past the
+    # groups and are cut off, and no other row's arithmetic changes.
+    m = lhs.shape[0]
+    out = tokamax.ragged_dot(
+      jnp.pad(lhs, ((0, -m % 8), (0, 0))),
+      rhs,
+      group_sizes.astype(jnp.int32),
+      preferred_element_type=lhs.dtype,
+      implementation=(kernel,),
     )
+    return out[:m]
   return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision)
 
 
