@@ -673,7 +673,7 @@ def run(args):
   only = args.only.split(",") if args.only else list(fns)
   tokens = {int(t) for t in args.tokens.split(",")} if args.tokens else None
   # sizes without "tokens" (batch, rows) are kept: --tokens narrows the kernels that take it
-  sized = lambda kw: tokens is None or kw.get("tokens", next(iter(tokens))) in tokens
+  sized = lambda kw: tokens is None or "tokens" not in kw or kw["tokens"] in tokens
   cases = [c for c in cases if c[0] in only and sized(c[1])]
   result = {
     "device": dev.device_kind,
