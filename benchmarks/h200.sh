@@ -53,6 +53,8 @@ export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jcc-this} JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,memory.used --format=csv >"$out/gpu.txt"
 git log -1 --format='%H %s' >>"$out/gpu.txt" 2>/dev/null
+# The backend the suites and benchmarks will see (a CPU here would be the 2026-12-05..07 mistake).
+python -c "import jax; print('jax', jax.__version__, jax.default_backend(), jax.devices())" >>"$out/gpu.txt" 2>&1
 # The test files with kernels or the step compiled on a GPU (the rest run the same code as on the CPU).
 SUITES="${SUITES:-tests/test_kernel_kda_chunk.py tests/test_kernel_sparse_mla.py tests/test_engine_equivalence.py
   tests/test_speculative.py tests/test_prompt_logprobs.py tests/test_kernel_paged_mqa_logits.py
