@@ -393,13 +393,16 @@ def read_rows(paths) -> list[dict]:
 def finished_cells(paths) -> set[str]:
   """The cells of ``paths`` that ran to a result; one that ended in an error (out of memory beside
   other shards) is not finished, so a resumed matrix runs it again."""
-  return {
-    _key(r["model"], {k: _setting(r, k) for k in SPACE}) for r in read_rows(paths) if "model" in r and "error" not in r
-  }
+  return {_row_key(r) for r in read_rows(paths) if "model" in r and "error" not in r}
 
 
 def _key(model: str, cell: dict) -> str:
   return json.dumps({"model": model, **cell}, sort_keys=True)
+
+
+def _row_key(row: dict) -> str:
+  """The key of the cell a result row ran."""
+  return _key(row["model"], {k: _setting(row, k) for k in SPACE})
 
 
 def main(argv=None) -> int:
@@ -435,17 +438,11 @@ def main(argv=None) -> int:
   if args.markdown:
     rows = {}
     for r in read_rows(args.markdown):  # a cell's later row wins, but an error never hides a result
-      key = _key(r["model"], {k: _setting(r, k) for k in SPACE}) if "model" in r else None
+      key = _row_key(r) if "model" in r else None
       if key is not None and (key not in rows or "error" in rows[key] or "error" not in r):
         rows[key] = r
     order = {_key(m, c): i for i, (m, c) in enumerate((m, c) for m in MODELS for c in all_cells())}
-    print(
-      markdown(
-        compare(
-          sorted(rows.values(), key=lambda r: order.get(_key(r["model"], {k: _setting(r, k) for k in SPACE}), -1))
-        )
-      )
-    )
+    print(markdown(compare(sorted(rows.values(), key=lambda r: order.get(_row_key(r), -1)))))
     return 0
   cells = all_cells()
   if args.list:

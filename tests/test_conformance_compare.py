@@ -91,6 +91,6 @@ def test_a_resumed_matrix_reruns_errors_and_its_table_keeps_results(tmp_path, ca
   assert conformance.main(["--markdown", str(rerun), str(again)]) == 0
   table = capsys.readouterr().out
   assert "FAIL" not in table and "2 of 2 cells pass" in table
-  cell = lambda r: conformance._key("tiny", {k: conformance._setting(r, k) for k in conformance.SPACE})
+  cell = conformance._row_key
   assert conformance.finished_cells([earlier]) == {cell(ok)}  # the errored cell runs again
   assert conformance.finished_cells([rerun]) == {cell(ok), cell(failed)}
