@@ -85,7 +85,17 @@ matrix() {
       --time-budget "${MATRIX_S:-420}" >"$out/c/log-$i.txt" 2>&1 &
   done
 }
-suites() { run "${SUITE_S:-555}" suites.txt python -m pytest -q -n "${SUITE_N:-4}" -p no:benchmark -W ignore $SUITES; }
+# SUITES_DONE: folders of earlier calls' suites.txt; the tests that passed there are deselected, so a
+# second call finishes what the first one's time limit cut. -v: each test's outcome is in the log.
+suites() {
+  local done_ids=()
+  for d in ${SUITES_DONE:-}; do
+    mapfile -t -O "${#done_ids[@]}" done_ids < <(grep -ho 'PASSED tests/[^ ]*' "$d"/suites*.txt | sed 's/^PASSED /--deselect=/')
+  done
+  echo "deselected (passed in SUITES_DONE): ${#done_ids[@]}"
+  run "${SUITE_S:-555}" suites.txt python -m pytest -v -n "${SUITE_N:-4}" -p no:benchmark -W ignore --durations=25 \
+    "${done_ids[@]}" $SUITES
+}
 case $mode in
   correctness | matrix)
     matrix
