@@ -47,7 +47,7 @@ if ls .wheels/*.whl >/dev/null 2>&1; then
 fi
 # JAX_PLATFORMS: tests/conftest.py runs the suite on the CPU unless it is set. Until 2026-12-07
 # this script left it unset, so its suites ran on the device's CPU
-# (docs/performance.md, "twelfth session").
+# (docs/history.md, "twelfth session").
 export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 # Compiled executables kept on disk: a later call on a machine still warm skips XLA's compile.
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jcc-this} JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
