@@ -18,6 +18,9 @@
 #   bash benchmarks/h200.sh tune         # the grouped matmul's tests, then the MoE's tiling tuned at
 #                                        # $TUNE_TOKENS (benchmarks/tune_moe.py): the GPU's tuning
 #                                        # table comes back in tune/tuning/, to commit
+#   bash benchmarks/h200.sh tokens DIR   # the engine's tokens, each run compiled afresh: this tree and
+#                                        # DIR without XLA's autotuning, then this tree twice with it
+#                                        # (do the tokens move with the compile, or with the code?)
 #   bash benchmarks/h200.sh ab DIR       # another checkout (a branch: git archive it into DIR and
 #                                        # carry DIR): its GPU suites, then performance.py at
 #                                        # batches 1 and 32, this tree and DIR interleaved, twice;
@@ -38,7 +41,7 @@
 # the device cannot reach an index.
 set -u
 end=$((SECONDS + ${CALL_S:-580}))
-mode=${1:?usage: bash benchmarks/h200.sh correctness|matrix|suites|tune|kernels|timing|prefill|ab DIR}
+mode=${1:?usage: bash benchmarks/h200.sh correctness|matrix|suites|tune|kernels|timing|prefill|ab DIR|tokens DIR}
 mkdir -p "${OUT:-.}/$mode"
 out=$(cd "${OUT:-.}/$mode" && pwd) # absolute: the ab mode runs in two trees
 if ls .wheels/*.whl >/dev/null 2>&1; then
@@ -129,6 +132,23 @@ case $mode in
       done
     done
     ;;
+  tokens)
+    # The step's tokens across compiles: XLA times candidate kernels for its GEMM fusions at each
+    # compile and may pick another (other bits) in another process (openxla/xla's determinism
+    # notes), so tokens compared across processes differ without any code change. Each run here
+    # compiles afresh (its own empty cache); TOKENS_RUNS: tree:XLA_FLAGS pairs, "this" or "other"; TOKENS_ARGS: more performance.py arguments.
+    other=$(cd "${2:-.}" && pwd)
+    i=0
+    for spec in ${TOKENS_RUNS:-this:--xla_gpu_autotune_level=0 other:--xla_gpu_autotune_level=0 this: this:}; do
+      i=$((i + 1))
+      tree=${spec%%:*}
+      dir=$([ "$tree" = this ] && echo "$PWD" || echo "$other")
+      (cd "$dir" && export PYTHONPATH="$dir:/tmp/tk" XLA_FLAGS="${spec#*:}" JAX_COMPILATION_CACHE_DIR="/tmp/jcc-tokens-$i" &&
+        run "${PERF_S:-150}" "tokens-$i-$tree.txt" python benchmarks/performance.py --batches "${PERF_BATCHES:-32}" \
+          --steps "${TOKENS_STEPS:-32}" ${TOKENS_ARGS:-} --out "$out/tokens-$i-$tree.jsonl")
+      echo "run $i ($tree, XLA_FLAGS='${spec#*:}'): $(grep -ho '"output_tokens_sha256": "[0-9a-f]*"' "$out/tokens-$i-$tree.jsonl" 2>/dev/null | sort -u | tr '\n' ' ')"
+    done
+    ;;
   tune)
     run 240 grouped-matmul-tests.txt python -m pytest -q -p no:benchmark -W ignore tests/test_grouped_matmul.py
     run "${SWEEP_S:-300}" tune.txt python benchmarks/tune_moe.py --tokens "${TUNE_TOKENS:-8192,4096,2048,1024,512,256,128,64}" \
@@ -168,7 +188,7 @@ case $mode in
       --long-prefill-token-threshold 0,256 --profile /tmp/prof-8192 --out "$out/budget-8192.jsonl" # the traces stay there: the rows carry their summaries
     ;;
   *)
-    echo "unknown mode $mode: want correctness, matrix, suites, tune, kernels, timing, prefill or ab DIR" >&2
+    echo "unknown mode $mode: want correctness, matrix, suites, tune, kernels, timing, prefill, ab DIR or tokens DIR" >&2
     exit 2
     ;;
 esac
