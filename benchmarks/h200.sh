@@ -19,7 +19,7 @@
 #                                        # $TUNE_TOKENS (benchmarks/tune_moe.py): the GPU's tuning
 #                                        # table comes back in tune/tuning/, to commit
 #   bash benchmarks/h200.sh tokens DIR   # the engine's tokens, each run compiled afresh: this tree and
-#                                        # DIR without XLA's autotuning, then this tree twice with it
+#                                        # DIR with XLA's deterministic ops, then this tree twice without
 #                                        # (do the tokens move with the compile, or with the code?)
 #   bash benchmarks/h200.sh ab DIR       # another checkout (a branch: git archive it into DIR and
 #                                        # carry DIR): its GPU suites, then performance.py at
@@ -133,13 +133,15 @@ case $mode in
     done
     ;;
   tokens)
-    # The step's tokens across compiles: XLA times candidate kernels for its GEMM fusions at each
-    # compile and may pick another (other bits) in another process (openxla/xla's determinism
-    # notes), so tokens compared across processes differ without any code change. Each run here
-    # compiles afresh (its own empty cache); TOKENS_RUNS: tree:XLA_FLAGS pairs, "this" or "other"; TOKENS_ARGS: more performance.py arguments.
+    # The step's tokens across compiles: XLA times candidate GEMM algorithms at each compile and may
+    # pick another (other bits) in another process (docs/conformance.md), so tokens compared across
+    # processes can differ without any code change. Each run here compiles afresh (its own empty
+    # cache). TOKENS_RUNS: tree:XLA_FLAGS pairs, tree "this" or "other" (DIR); the default runs
+    # both trees without the timed choice (as conformance.py does), then this tree twice with it.
+    # TOKENS_ARGS: more performance.py arguments.
     other=$(cd "${2:-.}" && pwd)
     i=0
-    for spec in ${TOKENS_RUNS:-this:--xla_gpu_autotune_level=0 other:--xla_gpu_autotune_level=0 this: this:}; do
+    for spec in ${TOKENS_RUNS:-this:--xla_gpu_deterministic_ops=true other:--xla_gpu_deterministic_ops=true this: this:}; do
       i=$((i + 1))
       tree=${spec%%:*}
       dir=$([ "$tree" = this ] && echo "$PWD" || echo "$other")
