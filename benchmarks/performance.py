@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -368,6 +369,9 @@ def main() -> int:
       "bf16_gemm_TFLOPs": gemm / 1e12,
       "device": str(jax.devices()[0].device_kind),
       "jax": jax.__version__,
+      # The same tokens in two processes need XLA's deterministic ops: its GEMM autotuner may pick
+      # another algorithm at each compile (docs/conformance.md), so digests compare only so.
+      "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
   )
   family = get_model_family("glm5_next")
