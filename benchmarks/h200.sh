@@ -93,7 +93,8 @@ matrix() {
 suites() {
   local done_ids=()
   for d in ${SUITES_DONE:-}; do
-    mapfile -t -O "${#done_ids[@]}" done_ids < <(grep -ho 'PASSED tests/[^ ]*' "$d"/suites*.txt | sed 's/^PASSED /--deselect=/')
+    mapfile -t -O "${#done_ids[@]}" done_ids < <(grep -hoE 'PASSED tests/[^ ]+|^tests/[^ ]+ PASSED' "$d"/suites*.txt |
+      sed -E 's/^PASSED //; s/ PASSED$//; s/^/--deselect=/') # -n's lines, then a single process's
   done
   echo "deselected (passed in SUITES_DONE): ${#done_ids[@]}"
   run "${SUITE_S:-555}" suites.txt python -m pytest -v -n "${SUITE_N:-4}" -p no:benchmark -W ignore --durations=25 \
