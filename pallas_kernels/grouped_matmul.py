@@ -304,16 +304,18 @@ def grouped_matmul(
       kernel = PallasMosaicGpuRaggedDot(config=Config(**tiling))
     # tokamax's Mosaic GPU kernel takes rows in multiples of 8 (67 rows raised "dimension 0 must
     # have size smaller or a multiple of its tiling 8" on an H100): the pad rows fall past the
-    # groups and are cut off, and no other row's arithmetic changes.
+    # groups and are cut off, and no other row's arithmetic changes. The model's rows (tokens x 8
+    # experts) need none, so its step has no pad or slice.
     m = lhs.shape[0]
+    pad = -m % 8
     out = tokamax.ragged_dot(
-      jnp.pad(lhs, ((0, -m % 8), (0, 0))),
+      jnp.pad(lhs, ((0, pad), (0, 0))) if pad else lhs,
       rhs,
       group_sizes.astype(jnp.int32),
       preferred_element_type=lhs.dtype,
       implementation=(kernel,),
     )
-    return out[:m]
+    return out[:m] if pad else out
   return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision)
 
 
