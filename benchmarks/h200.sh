@@ -50,8 +50,9 @@ if ls .wheels/*.whl >/dev/null 2>&1; then
 fi
 # JAX_PLATFORMS: tests/conftest.py runs the suite on the CPU unless it is set. Until 2026-12-07
 # this script left it unset, so its suites ran on the device's CPU
-# (docs/history.md, "twelfth session").
-export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+# (docs/history.md, "twelfth session"). The CPU listed second: jax.debug.callback (performance.py's
+# routing pass) places its inputs there, and `cuda` alone failed it (2026-12-07, fifteenth session).
+export JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 # Compiled executables kept on disk: a later call on a machine still warm skips XLA's compile.
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jcc-this} JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,memory.used --format=csv >"$out/gpu.txt"

@@ -1,5 +1,6 @@
 """The chunkwise KDA kernel against a NumPy token-by-token oracle, and bitwise across step splits."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -171,7 +172,10 @@ def test_pallas_close_to_xla_on_long_steps(precision):
     )
     outs[impl] = (o, np.asarray(state), [np.asarray(x) for x in prefix])
   np.testing.assert_allclose(outs["pallas"][0], outs["xla"][0], rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(outs["pallas"][1], outs["xla"][1], rtol=1e-5, atol=1e-6)
+  # Compiled, the kernel and XLA sum the products in other orders; the state carries that across
+  # both requests' chunks: 8.0e-6 apart at most on an H100 (2026-12-07), both precisions alike.
+  state_atol = 1e-6 if jax.default_backend() == "cpu" else 3e-5
+  np.testing.assert_allclose(outs["pallas"][1], outs["xla"][1], rtol=1e-5, atol=state_atol)
   for a, b in zip(outs["pallas"][2], outs["xla"][2]):
     np.testing.assert_array_equal(a, b)
 
