@@ -354,6 +354,14 @@ def main() -> int:
   from jaxkv.profiling import hlo_dump_beside
 
   hlo_dir = hlo_dump_beside(args.profile)  # each model part's kernels (before JAX starts its backend)
+  try:  # before the timed runs: the routing pass after them needs the CPU (2026-12-07's runs lost it)
+    jax.devices("cpu")
+  except RuntimeError as e:
+    raise RuntimeError(
+      "the roofline's routing pass sends the router's output to the host (jax.debug.callback), which "
+      f"needs JAX's CPU backend; JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')!r} leaves it out: "
+      "list it after the GPU, JAX_PLATFORMS=cuda,cpu"
+    ) from e
   if args.explain_cache_misses:  # a compilation after warm-up says why
     jax.config.update("jax_explain_cache_misses", True)
   from jaxkv.engine import EngineConfig, LLMEngine, get_model_family
