@@ -2,9 +2,10 @@
 
 Serves ``--batch`` requests of ``--context`` tokens on ``glm-5.3-flash-slice4`` (as
 ``benchmarks/performance.py``: bf16 weights, fp8 pooled keys, packed layout, block 1024), then
-times ``--steps`` decode steps twice: plainly (step wall time, and the time ``step()`` spends
-waiting for the previous step's outputs, the rest being host work), and under ``cProfile`` (the
-heaviest host functions). With async scheduling the GPU idles only when the host work per step
+times ``--steps`` decode steps twice: plainly (step wall time, the time ``step()`` spends waiting
+for the previous step's outputs, and the rest, the host's work, in its parts: scheduling, the
+input's lay-out, the dispatch, the outputs' bookkeeping), and under ``cProfile`` (the heaviest host
+functions). With async scheduling the GPU idles only when the host work per step
 exceeds the GPU's time per step.
 
     python benchmarks/host_overhead.py --batch 1 --out docs/results/host-overhead-h200.json
@@ -77,24 +78,37 @@ def main() -> int:
     engine.step()
   for _ in range(10):
     engine.step()
-  waited = [0.0]
-  read_back = engine.executor.read_back
+  # Seconds in each part of the host's step: the wait for the step before (read_back), and the
+  # host's own work split into scheduling, the input's lay-out, the dispatch (one transfer in, the
+  # jitted call, the outputs' copy out started) and the outputs' bookkeeping.
+  spent = {}
 
-  def timed_read_back(out):
-    t = time.perf_counter()
-    try:
-      return read_back(out)
-    finally:
-      waited[0] += time.perf_counter() - t
+  def timed(obj, name, key):
+    fn = getattr(obj, name)
 
-  engine.executor.read_back = timed_read_back
+    def wrapper(*a, **kw):
+      t = time.perf_counter()
+      try:
+        return fn(*a, **kw)
+      finally:
+        spent[key] = spent.get(key, 0.0) + time.perf_counter() - t
+
+    setattr(obj, name, wrapper)
+
+  timed(engine.executor, "read_back", "wait")
+  timed(engine.scheduler, "schedule", "schedule")
+  timed(engine, "_launch", "lay_out_and_dispatch")
+  timed(engine.executor, "launch", "dispatch")
+  timed(engine, "_update", "update")
   lat = []
   for _ in range(args.steps):
     t = time.perf_counter()
     engine.step()
     lat.append(time.perf_counter() - t)
   step_ms = float(np.median(lat)) * 1e3
-  host_ms = (sum(lat) - waited[0]) / args.steps * 1e3
+  host_ms = (sum(lat) - spent["wait"]) / args.steps * 1e3
+  parts = {f"{k}_ms_per_step": v / args.steps * 1e3 for k, v in spent.items()}
+  parts["lay_out_ms_per_step"] = parts.pop("lay_out_and_dispatch_ms_per_step") - parts["dispatch_ms_per_step"]
   prof = cProfile.Profile()
   prof.enable()
   for _ in range(args.steps):
@@ -110,7 +124,7 @@ def main() -> int:
     "device": str(jax.devices()[0].device_kind),
     "step_ms_p50": step_ms,
     "host_ms_per_step": host_ms,
-    "wait_ms_per_step": waited[0] / args.steps * 1e3,
+    **parts,
     "param_leaves": len(engine.executor.param_leaves),
   }
   print(json.dumps(result))

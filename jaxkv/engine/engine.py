@@ -533,6 +533,7 @@ class LLMEngine:
     self, chunks, tokens, num_accepted, top_lp, top_ids, drafts, token_lp, token_rank, plp
   ) -> list[StepOutput]:
     k = self.config.num_speculative_tokens
+    tokens, num_accepted = tokens.tolist(), num_accepted.tolist()  # Python ints: no NumPy scalar a read
     outputs = []
     for c in chunks:
       req = c.request
@@ -544,7 +545,7 @@ class LLMEngine:
         req.num_in_flight -= 1
       # Rollback: positions of rejected drafts count as not computed (later steps overwrite their
       # latents, pooled keys and ring slots), and KDA continues from the last accepted token's slot.
-      a = int(num_accepted[c.row]) if c.samples else 0
+      a = num_accepted[c.row] if c.samples else 0
       rejected = c.num_drafts - a
       req.num_computed_tokens -= rejected
       req.state_slot = k - rejected
@@ -557,11 +558,9 @@ class LLMEngine:
       first = not req.output_token_ids
       new_ids, new_lps, own, reason = [], [], [], None
       for j in range(a + 1):
-        token = int(tokens[row, j])
-        lps = [
-          (int(i), float(v))
-          for i, v in zip(top_ids[row, j, : req.sampling.logprobs], top_lp[row, j, : req.sampling.logprobs])
-        ]
+        token = tokens[row][j]
+        n = req.sampling.logprobs
+        lps = list(zip(top_ids[row, j, :n].tolist(), top_lp[row, j, :n].tolist())) if n else []
         req.output_token_ids.append(token)
         req.output_logprobs.append(lps)
         new_ids.append(token)

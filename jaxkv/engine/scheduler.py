@@ -124,7 +124,8 @@ class Scheduler:
     )
     if new is None:
       return False
-    self.tables.append_row(new, request.row)
+    if any(new):
+      self.tables.append_row(new, request.row)
     return True
 
   def _chunk_size(self, request: Request, budget: int, capped: bool = True) -> int:
