@@ -31,7 +31,7 @@ if os.environ["JAX_PLATFORMS"].split(",")[0] in ("cuda", "gpu", "rocm"):
   # compile, so a program another process compiled may round differently from one compiled here:
   # a test that compares the two (the equivalence suite's baseline against a layout) sees bits no
   # engine produces. With the cache shared by 4 workers, 9 of 82 equivalence tests failed on an
-  # H100; the same tests pass in one process (2026-12-07, docs/conformance.md).
+  # H100; 3 of them, run in one process, passed (2026-12-07, docs/conformance.md).
   jax.config.update("jax_enable_compilation_cache", False)
 
 hypothesis.settings.register_profile("ci", deadline=None, max_examples=60, print_blob=True)

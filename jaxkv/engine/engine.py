@@ -533,7 +533,7 @@ class LLMEngine:
     self, chunks, tokens, num_accepted, top_lp, top_ids, drafts, token_lp, token_rank, plp
   ) -> list[StepOutput]:
     k = self.config.num_speculative_tokens
-    tokens, num_accepted = tokens.tolist(), num_accepted.tolist()  # Python ints: no NumPy scalar a read
+    tokens, num_accepted = tokens.tolist(), num_accepted.tolist()  # one conversion, not a NumPy scalar a read
     outputs = []
     for c in chunks:
       req = c.request
