@@ -9,6 +9,13 @@ functions). With async scheduling the GPU idles only when the host work per step
 exceeds the GPU's time per step.
 
     python benchmarks/host_overhead.py --batch 1 --out docs/results/host-overhead-h200.json
+
+``--no-device`` measures the host's work alone on any machine: the executor's two device calls
+(the step's dispatch and its read-back) are replaced by instant stand-ins that return random tokens, so
+what is timed is the scheduling, the lay-out and the bookkeeping (the ``glm-5.3-flash-tiny``
+model is enough: the host's work does not depend on the model's size).
+
+    python benchmarks/host_overhead.py --no-device --config glm-5.3-flash-tiny --dtype float32 --batch 32
 """
 
 from __future__ import annotations
@@ -17,13 +24,32 @@ import argparse
 import cProfile
 import io
 import json
+import math
 import pathlib
 import pstats
 import sys
 import time
 
+import numpy as np
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+
+def _without_device(executor, rng) -> None:
+  """The executor's step dispatch and read-back as instant stand-ins: each step's outputs are
+  random tokens, every draft rejected and no log-probs (the layout ``read_back`` returns)."""
+  from jaxkv.engine.step_executor import _out_size, _unpack_outputs
+
+  size, tokens = _out_size(executor.out_shapes), math.prod(executor.out_shapes[0][0])
+
+  def launch(packing, buf):
+    flat = np.zeros(size, np.int32)
+    flat[:tokens] = rng.integers(1, executor.vocab_size, tokens)  # the tokens; no draft accepted
+    return flat, None
+
+  executor.launch = launch
+  executor.read_back = lambda out: _unpack_outputs(out[0], executor.out_shapes) + [None]
 
 
 def main() -> int:
@@ -35,11 +61,12 @@ def main() -> int:
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--implementation", default="auto", choices=("auto", "xla", "pallas"), help="attention kernels")
   p.add_argument("--memory-gib", type=float, default=8.0, help="KV-cache budget")
+  p.add_argument("--long-prefill-token-threshold", type=int, default=0, help="EngineConfig's (0: off)")
+  p.add_argument("--no-device", action="store_true", help="the device's calls replaced by instant stand-ins")
   p.add_argument("--out", default=None, help="JSON file of the numbers and the profile's top entries")
   args = p.parse_args()
 
   import jax
-  import numpy as np
 
   from jaxkv.engine import EngineConfig, LLMEngine, SamplingParams, get_model_family
   from jaxkv.cache.kv_cache_config import CacheConfig
@@ -61,9 +88,15 @@ def main() -> int:
   engine = LLMEngine(
     runner,
     EngineConfig(
-      cache=cache, max_num_reqs=args.batch, max_num_batched_tokens=budget, buckets=tuple(sorted({args.batch, budget}))
+      cache=cache,
+      max_num_reqs=args.batch,
+      max_num_batched_tokens=budget,
+      buckets=tuple(sorted({args.batch, budget})),
+      long_prefill_token_threshold=args.long_prefill_token_threshold,
     ),
   )
+  if args.no_device:
+    _without_device(engine.executor, np.random.default_rng(1))
   engine.warmup()
   rng = np.random.default_rng(0)
   reqs = [
@@ -121,7 +154,7 @@ def main() -> int:
   result = {
     "config": args.config,
     "batch": args.batch,
-    "device": str(jax.devices()[0].device_kind),
+    "device": "none (--no-device)" if args.no_device else str(jax.devices()[0].device_kind),
     "step_ms_p50": step_ms,
     "host_ms_per_step": host_ms,
     **parts,

@@ -49,6 +49,21 @@ def test_hybrid_groups_allocate_one_state_block_per_request():
   assert m.num_free_blocks == 19
 
 
+def test_a_request_within_its_blocks_allocates_nothing_until_it_outgrows_them():
+  m = KVCacheManager([MLA, KDA, RING, SWA], num_blocks=30, enable_caching=False)
+  assert [len(g) for g in m.allocate_slots("a", 20)] == [2, 1, 1, 2]
+  free = m.num_free_blocks
+  assert m.allocate_slots("a", 32, num_computed_tokens=20) == ([], [], [], [])
+  assert m.num_free_blocks == free
+  assert [len(g) for g in m.allocate_slots("a", 33, num_computed_tokens=32)] == [1, 0, 0, 1]
+  # Within its blocks the sliding window still frees what left it: 60 computed, window 20.
+  assert m.allocate_slots("a", 48, num_computed_tokens=60) == ([], [], [], [])
+  assert m.block_ids("a")[3][:2] == [0, 0] and m.num_free_blocks == free - 2 + 2
+  m.free("a")
+  # The same id again owns nothing: what its blocks held ended with them.
+  assert [len(g) for g in m.allocate_slots("a", 1)] == [1, 1, 1, 1]
+
+
 def test_allocation_failure_changes_nothing():
   m = KVCacheManager([FULL], num_blocks=4)
   assert m.allocate_slots("a", 32) is not None

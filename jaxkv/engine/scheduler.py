@@ -162,7 +162,7 @@ class Scheduler:
     for request in list(self.running):
       if budget == 0:
         break
-      if request not in self.running or request.awaits_last_token:  # preempted below; or done
+      if id(request) in self._preempted_now or request.awaits_last_token:  # preempted below; or done
         continue
       n = self._chunk_size(request, budget)
       while not self._allocate(request, n):
@@ -228,6 +228,6 @@ class Scheduler:
       if total > c.num_tokens and self._allocate(c.request, total):
         budget -= total - c.num_tokens
         c = self._chunk(c.request, total, offset)
-      out.append(dataclasses.replace(c, offset=offset))
+      out.append(c if c.offset == offset else dataclasses.replace(c, offset=offset))
       offset += c.num_tokens
     return out

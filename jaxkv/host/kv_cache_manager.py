@@ -19,6 +19,7 @@ read from the ring again.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -75,6 +76,10 @@ class SingleTypeKVCacheManager:
     # Touching free cached blocks also takes them out of the free queue.
     evictable = sum(1 for b in new_computed if b.ref_cnt == 0 and not b.is_null)
     return max(0, self.num_blocks_needed(num_tokens) - owned) + evictable
+
+  def num_tokens_covered(self, request_id: str) -> float:
+    """The most tokens the request's blocks hold: up to this many, it needs no new block."""
+    return len(self.req_to_blocks.get(request_id, ())) * self.block_size
 
   def add_computed_blocks(self, request_id: str, blocks: Sequence[KVCacheBlock]) -> None:
     if not blocks:
@@ -175,6 +180,9 @@ class _OneBlockPerRequestManager(SingleTypeKVCacheManager):
 
   def num_blocks_needed(self, num_tokens: int) -> int:
     return self.spec.max_num_blocks_per_req(num_tokens)
+
+  def num_tokens_covered(self, request_id: str) -> float:
+    return math.inf if len(self.req_to_blocks.get(request_id, ())) >= self.num_blocks_needed(0) else 0
 
   def find_longest_cache_hit(self, block_hashes, max_blocks, elsewhere=None):
     return []
@@ -309,6 +317,12 @@ class KVCacheManager:
       for m in self.managers:
         if isinstance(m, CircularBufferManager):
           m.check_prefix_caching(self.hash_block_size)
+    # The managers whose remove_skipped_blocks frees anything (sliding windows).
+    self._windowed = [
+      m for m in self.managers if type(m).remove_skipped_blocks is not SingleTypeKVCacheManager.remove_skipped_blocks
+    ]
+    # Per request: the tokens its blocks hold in every group (allocate_slots' fast path).
+    self._covered: dict[str, float] = {}
     self._block_hashes: dict[str, list[BlockHash]] = {}
     self._newly_cached: list[tuple[BlockHash, int, int]] = []
 
@@ -444,16 +458,16 @@ class KVCacheManager:
       The newly allocated block ids per group (cached hits first), to append to the block-table
       rows; or None when the pool cannot supply them (nothing is changed: preempt and retry).
     """
-    for m in self.managers:
+    for m in self._windowed:
       m.remove_skipped_blocks(request_id, num_computed_tokens)
+    if not new_computed_blocks and num_tokens <= self._covered.get(request_id, -1):
+      # Every running request passes here every step and a decode step rarely needs a block: that
+      # case goes no further (the host's work a step is on the critical path at batch 32).
+      return tuple([] for _ in self.managers)
     hits = new_computed_blocks or [()] * len(self.managers)
     need = [m.get_num_blocks_to_allocate(request_id, num_tokens, h) for m, h in zip(self.managers, hits)]
     if sum(need) > self.num_free_blocks:
       return None
-    if not any(need) and not new_computed_blocks:
-      # Every running request passes here every step and a decode step rarely needs a block: that
-      # case goes no further (the host's work a step is on the critical path at batch 32).
-      return tuple([] for _ in self.managers)
     # Every group's hits are referenced before any group allocates (which may evict free cached blocks).
     for m, h in zip(self.managers, hits):
       m.add_computed_blocks(request_id, h)
@@ -461,6 +475,7 @@ class KVCacheManager:
     for m, h in zip(self.managers, hits):
       shared = [] if m.spec.is_state else [b.block_id for b in h]  # a checkpoint is copied, not shared
       out.append(shared + [b.block_id for b in m.allocate_new_blocks(request_id, num_tokens)])
+    self._covered[request_id] = min(m.num_tokens_covered(request_id) for m in self.managers)
     return tuple(out)
 
   def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
@@ -523,4 +538,5 @@ class KVCacheManager:
     """Releases every block of a finished, aborted or preempted request."""
     for m in self.managers:
       m.free(request_id)
+    self._covered.pop(request_id, None)
     self._block_hashes.pop(request_id, None)
