@@ -469,20 +469,14 @@ class LLMEngine:
     packing = self.executor.packing(bucket, prompt_logprobs, linear_chunks, greedy_only)
     buf = packing.template.copy()
     v = packing.host_views(buf)
-    laid_out, failed = list(chunks), []
-    try:
-      self._lay_out(v, chunks, k)
-    except (ValueError, TypeError, OverflowError):
-      # Some chunk cannot be laid out: again one at a time from a clean buffer, to end only those.
-      buf[...] = packing.template
-      laid_out = []
-      for c in chunks:
-        try:
-          self._lay_out(v, [c], k)
-          laid_out.append(c)
-        except (ValueError, TypeError, OverflowError) as err:
-          self._clear(packing, v, c)
-          failed.append((c.request, err))
+    laid_out, failed = [], []
+    for c in chunks:
+      try:
+        self._lay_out(v, c, k)
+        laid_out.append(c)
+      except (ValueError, TypeError, OverflowError) as err:
+        self._clear(packing, v, c)
+        failed.append((c.request, err))
     if chunks and not laid_out:
       return None, [], failed
     for g, bt in enumerate(self.tables.block_tables):
@@ -506,72 +500,37 @@ class LLMEngine:
         v[name][c.request.row] = default
 
   @staticmethod
-  def _lay_out(v, chunks, k: int) -> None:
-    """The chunks' tokens, which follow each other from the first one's offset, and their requests'
-    row fields: gathered in lists, then one NumPy write a field, not one a chunk and field (the
-    host's work a step can outlast the GPU's at batch 32: docs/performance.md)."""
-    ids, prev, positions, req_indices, next_ids = [], [], [], [], []
-    rows, state_slots, num_prompt = [], [], []
-    s_rows, s_indices, s_drafts, s_num, s_temp, s_top_p, s_top_k, s_seeds, s_steps = ([] for _ in range(9))
-    at = chunks[0].offset if chunks else 0
-    for c in chunks:
-      req, n = c.request, c.num_tokens
-      if c.offset != at + len(positions):
-        raise RuntimeError(f"chunk of {req.request_id!r} at offset {c.offset}, expected {at + len(positions)}.")
-      end = c.start + n
-      num_known = len(req.prompt_token_ids) + len(req.output_token_ids)
-      # The chunk's known tokens and drafts (none for a decode token in flight: skip the call).
-      known_ids = req.token_ids(c.start, end) if c.start < num_known + len(req.spec_token_ids) else []
-      unknown = n - len(known_ids)
-      ids += known_ids
-      prev += [-1] * len(known_ids)
-      if unknown:  # the token in flight: read on the device from the step before
-        ids += [0] * unknown
-        prev += [req.in_flight_row * (1 + k)] + [-1] * (unknown - 1)
-      positions += range(c.start, end)
-      req_indices += [req.row] * n
-      known = max(min(end, num_known - 1) - c.start, 0)  # tokens whose successor is committed
-      successors = req.token_ids(c.start + 1, c.start + 1 + known) if known else []
-      next_ids += successors + [-1] * (n - len(successors))
-      rows.append(req.row)
-      state_slots.append(req.state_slot)
-      num_prompt.append(len(req.prompt_token_ids))
-      if c.samples:
-        d, last = c.num_drafts, c.offset + n
-        s_rows.append(req.row)
-        s_indices.append(list(range(last - d - 1, last)) + [-1] * (k - d))
-        s_drafts.append(req.spec_token_ids[:d] + [0] * (k - d))
-        s_num.append(d)
-        s_temp.append(req.sampling.temperature)
-        s_top_p.append(req.sampling.top_p)
-        s_top_k.append(req.sampling.top_k)
-        s_seeds.append(req.seed)
-        s_steps.append(len(req.output_token_ids) + req.num_in_flight)
-    t = slice(at, at + len(positions))
-    for name, values in (
-      ("input_ids", ids),
-      ("prev_token_index", prev),
-      ("positions", positions),
-      ("req_indices", req_indices),
-      ("next_ids", next_ids),
-    ):
-      v[name][t] = values
-    v["state_slots"][rows] = state_slots
+  def _lay_out(v, c, k: int) -> None:
+    """One chunk's tokens from its offset and its request's row fields."""
+    req = c.request
+    at = c.offset
+    end = c.start + c.num_tokens
+    num_known = len(req.prompt_token_ids) + len(req.output_token_ids)
+    # The chunk's known tokens and drafts: none for a decode token in flight, so no call (at batch
+    # 32 the calls were a third of the lay-out's time).
+    ids = req.token_ids(c.start, end) if c.start < num_known + len(req.spec_token_ids) else []
+    known_ids = len(ids)
+    v["input_ids"][at : at + known_ids] = ids
+    if known_ids < c.num_tokens:  # the token in flight: read on the device from the step before
+      v["prev_token_index"][at + known_ids] = req.in_flight_row * (1 + k)
+    v["positions"][at : at + c.num_tokens] = np.arange(c.start, end)
+    v["req_indices"][at : at + c.num_tokens] = req.row
+    known = max(min(end, num_known - 1) - c.start, 0)  # tokens whose successor is committed
+    if known:
+      v["next_ids"][at : at + known] = req.token_ids(c.start + 1, c.start + 1 + known)
+    v["state_slots"][req.row] = req.state_slot
     if "num_prompt_tokens" in v:
-      v["num_prompt_tokens"][rows] = num_prompt
-    if s_rows:
-      v["sample_indices"][s_rows] = s_indices
-      if k:
-        v["draft_ids"][s_rows] = s_drafts
-      for name, values in (
-        ("num_drafts", s_num),
-        ("temperature_f32", s_temp),
-        ("top_p_f32", s_top_p),
-        ("top_k", s_top_k),
-        ("seeds", s_seeds),
-        ("steps", s_steps),
-      ):
-        v[name][s_rows] = values
+      v["num_prompt_tokens"][req.row] = len(req.prompt_token_ids)
+    if c.samples:
+      d, last = c.num_drafts, at + c.num_tokens
+      v["sample_indices"][req.row, : d + 1] = np.arange(last - d - 1, last)
+      v["draft_ids"][req.row, :d] = req.spec_token_ids[:d]
+      v["num_drafts"][req.row] = d
+      v["temperature_f32"][req.row] = req.sampling.temperature
+      v["top_p_f32"][req.row] = req.sampling.top_p
+      v["top_k"][req.row] = req.sampling.top_k
+      v["seeds"][req.row] = req.seed
+      v["steps"][req.row] = len(req.output_token_ids) + req.num_in_flight
 
   def _update(
     self, chunks, tokens, num_accepted, top_lp, top_ids, drafts, token_lp, token_rank, plp
