@@ -26,7 +26,7 @@ from jaxkv.host.kv_cache_manager import KVCacheManager
 __all__ = ["Scheduler", "ScheduledChunk"]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)  # not frozen: 1 us less to make, a request a step
 class ScheduledChunk:
   """``num_tokens`` tokens of ``request`` from position ``start``; ``samples``: the chunk reaches
   the request's last token, whose logits pick the next one (fixed when scheduled);
