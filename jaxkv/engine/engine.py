@@ -505,19 +505,16 @@ class LLMEngine:
     req = c.request
     at = c.offset
     end = c.start + c.num_tokens
-    num_known = len(req.prompt_token_ids) + len(req.output_token_ids)
-    # The chunk's known tokens and drafts: none for a decode token in flight, so no call (at batch
-    # 32 the calls were a third of the lay-out's time).
-    ids = req.token_ids(c.start, end) if c.start < num_known + len(req.spec_token_ids) else []
+    ids = req.token_ids(c.start, end)  # the chunk's known tokens and drafts
     known_ids = len(ids)
     v["input_ids"][at : at + known_ids] = ids
     if known_ids < c.num_tokens:  # the token in flight: read on the device from the step before
       v["prev_token_index"][at + known_ids] = req.in_flight_row * (1 + k)
     v["positions"][at : at + c.num_tokens] = np.arange(c.start, end)
     v["req_indices"][at : at + c.num_tokens] = req.row
+    num_known = len(req.prompt_token_ids) + len(req.output_token_ids)
     known = max(min(end, num_known - 1) - c.start, 0)  # tokens whose successor is committed
-    if known:
-      v["next_ids"][at : at + known] = req.token_ids(c.start + 1, c.start + 1 + known)
+    v["next_ids"][at : at + known] = req.token_ids(c.start + 1, c.start + 1 + known)
     v["state_slots"][req.row] = req.state_slot
     if "num_prompt_tokens" in v:
       v["num_prompt_tokens"][req.row] = len(req.prompt_token_ids)

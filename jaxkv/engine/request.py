@@ -153,8 +153,11 @@ class Request:
     """Tokens ``[start, stop)`` of prompt, outputs read back and drafts to verify, in that order
     (clipped to what exists), copying only those: a step's host work stays independent of the
     request's length."""
+    parts = (self.prompt_token_ids, self.output_token_ids, self.spec_token_ids)
+    if start >= stop or start >= len(parts[0]) + len(parts[1]) + len(parts[2]):
+      return []  # a decode token in flight, every step of every request: no loop
     out, base = [], 0
-    for part in (self.prompt_token_ids, self.output_token_ids, self.spec_token_ids):
+    for part in parts:
       lo, hi = max(start - base, 0), min(stop - base, len(part))
       if lo < hi:
         out += part[lo:hi]

@@ -317,10 +317,8 @@ class KVCacheManager:
       for m in self.managers:
         if isinstance(m, CircularBufferManager):
           m.check_prefix_caching(self.hash_block_size)
-    # The managers whose remove_skipped_blocks frees anything (sliding windows).
-    self._windowed = [
-      m for m in self.managers if type(m).remove_skipped_blocks is not SingleTypeKVCacheManager.remove_skipped_blocks
-    ]
+    # The managers whose remove_skipped_blocks frees anything.
+    self._windowed = [m for m in self.managers if isinstance(m, SlidingWindowManager)]
     # Per request: the tokens its blocks hold in every group (allocate_slots' fast path).
     self._covered: dict[str, float] = {}
     self._block_hashes: dict[str, list[BlockHash]] = {}
