@@ -112,6 +112,25 @@ def test_pallas_writes_every_row_and_zeros_past_the_groups(m, end):
   np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("m, groups, total", [(256, 288, 256), (40, 12, 23), (40, 12, 61), (7, 300, 0)])
+def test_row_blocks_list_each_groups_rows_then_the_rest(m, groups, total):
+  """The kernel's row blocks against their definition, for sizes that fill the rows, stop short of
+  them or overrun them (rows past ``m`` belong to no output)."""
+  rng = np.random.default_rng(m + groups + total)
+  sizes = np.bincount(rng.integers(0, groups, total), minlength=groups).astype(np.int32)
+  bm = 16
+  want, first = [], 0
+  for g, s in enumerate(sizes):
+    s = min(int(s), m - first)
+    want += [(g, first + i, min(bm, s - i)) for i in range(0, s, bm)]
+    first += s
+  want += [(-1, r, min(bm, m - r)) for r in range(first, m, bm)]
+  group, start, rows = (np.asarray(a) for a in gm._row_blocks(jnp.asarray(sizes), m, bm))
+  used = rows > 0
+  assert list(zip(group[used], start[used], rows[used], strict=True)) == want
+  assert used[: len(want)].all() and not used[len(want) :].any()
+
+
 def test_pallas_row_is_bitwise_the_same_in_any_group_layout():
   """What the engine's bitwise claims need from the kernel: a token's output does not depend on the
   other rows of its step, nor on where its row sits in its expert's blocks."""
