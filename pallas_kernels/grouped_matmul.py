@@ -107,10 +107,10 @@ def _grouped_matmul_kernel(
 
 def _inclusive_sum(x: Int[Array, " G"]) -> Int[Array, " G"]:
   """``cumsum(x)`` of a short integer vector as one masked row sum over ``[G, G]``, a plain
-  reduction. ``jnp.cumsum``'s generic lowering is a ``reduce_window``, and two chained ones here
-  are the likely source of the batch-1 step's one reduce-window kernel on the GPU (jax 0.11.2): 35
-  us, once per MoE layer, 4% of the step on an H100 (docs/kernels.md). Integer sums: exact in any
-  order."""
+  reduction. jax 0.11.2 lowers ``jnp.cumsum`` on the GPU to a blocked scan of ``reduce_window``s
+  (288 groups: ``[18, 16]``, ``[2, 16]``, ``[3, 1]``); with two chained here they made a 35.7 us
+  kernel once per MoE layer, 0.071 ms of a batch-1 step's 1.745 on an H100 (docs/kernels.md).
+  Integer sums: exact in any order."""
   g = x.shape[0]
   upto = jnp.arange(g, dtype=jnp.int32)[:, None] >= jnp.arange(g, dtype=jnp.int32)[None, :]
   return jnp.sum(jnp.where(upto, x[None, :], 0), axis=1, dtype=x.dtype)
