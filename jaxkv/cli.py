@@ -633,7 +633,10 @@ def cmd_bench(args) -> int:
         f"{p['kernels_per_step']:.0f} kernels per step; heaviest:"
       )
       for k in p["top"]:
-        print(f"  {k['ms_per_step']:9.3f} ms {k['share']:6.1%} x{k['calls_per_step']:<5.0f} {k['name']}")
+        made = "  ".join(filter(None, (k.get("op"), k.get("result") and f"-> {k['result']}")))
+        print(
+          f"  {k['ms_per_step']:9.3f} ms {k['share']:6.1%} x{k['calls_per_step']:<5.0f} {k['name']}  {made}".rstrip()
+        )
       print("  by model part (jax.named_scope):")
       for k in p["by_scope"]:
         print(f"  {k['ms_per_step']:9.3f} ms {k['share']:6.1%} {k['kernels_per_step']:6.1f} kernels  {k['scope']}")

@@ -12,7 +12,9 @@ write the step's optimized HLO, whose ``op_name`` metadata carries the ``jax.nam
 op (the model tags ``mhc``, ``kda``, ``dsa``, ``moe``, ``mlp``, ``lm_head``, ``sampler``,
 ``step_metadata``, ...); ``summarize_trace(..., hlo_dir=dir)`` then counts the kernels and time of
 each scope (``by_scope``) and names the op behind each of the heaviest kernels (``top``'s
-``op``: ``gemm_fusion_dot_6`` alone does not say it is the mHC's mix). A kernel is matched by its
+``op``: ``gemm_fusion_dot_6`` alone does not say it is the mHC's mix) with the shapes it reads and
+writes (``operands``, ``result``: ``loop_convert_fusion_4`` alone does not say how large a convert
+it is). A kernel is matched by its
 name (XLA names a fusion's kernel after the fusion) or the trace's ``hlo_op``; library kernels
 inside a command buffer (cuBLAS) match neither and count as ``(unattributed)``.
 """
@@ -26,13 +28,15 @@ import os
 import pathlib
 import re
 
-__all__ = ["enable_hlo_dump", "hlo_dump_beside", "kernel_ops", "kernel_scopes", "summarize_trace"]
+__all__ = ["enable_hlo_dump", "hlo_dump_beside", "kernel_ops", "kernel_scopes", "kernel_types", "summarize_trace"]
 
 # The jitted step's HLO module (``jit(_device_step)``): the only one dumped.
 _STEP_MODULE_RE = ".*_device_step.*"
 _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+) = ")
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_LAYOUT = re.compile(r"\{[^{}]*\}")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 # Name-stack parts that are not scopes: transformations (``jit(f)``, ``vmap(f)``, loop bodies) and
 # the specs ``jnp.einsum`` names its ops with (``...i,oi->...o``).
@@ -110,6 +114,52 @@ def kernel_ops(hlo_text: str) -> dict[str, str]:
   return named
 
 
+def kernel_types(hlo_text: str) -> dict[str, dict]:
+  """``{kernel name: {"result": type, "operands": [type, ...]}}`` for every instruction of an HLO
+  module's text (names as ``kernel_ops``'; types as HLO prints them, layouts dropped: ``f32[8192,
+  8192]``, a tuple ``(bf16[8,4], s32[8])``). An operand's type is that of the instruction of its
+  name; a kernel may read only part of an operand (a gather, an aliased cache)."""
+  types: dict[str, str] = {}
+  operands: dict[str, list[str]] = {}
+  for line in hlo_text.splitlines():
+    m = _INSTRUCTION.match(line)
+    if m is None:
+      continue
+    rest = line[m.end() :]
+    split = _type_end(rest)
+    types[m.group(2)] = _LAYOUT.sub("", rest[:split]).strip()
+    call = rest[split:].lstrip()
+    args = call[call.find("(") + 1 : _closing(call, call.find("("))] if "(" in call else ""
+    operands[m.group(2)] = _OPERAND.findall(args)
+  return {
+    _kernel_key(name): {"result": t, "operands": [types[o] for o in operands[name] if o in types]}
+    for name, t in types.items()
+  }
+
+
+def _closing(text: str, start: int) -> int:
+  """The index of the parenthesis that closes ``text[start]``'s (the text's end if none)."""
+  depth = 0
+  for i in range(start, len(text)):
+    depth += {"(": 1, ")": -1}.get(text[i], 0)
+    if depth == 0:
+      return i
+  return len(text)
+
+
+def _type_end(rest: str) -> int:
+  """Where an instruction's type ends in ``rest`` (the text after ``name = ``): a tuple's closing
+  parenthesis, else the first space outside a layout's braces."""
+  if rest.startswith("("):
+    return _closing(rest, 0) + 1
+  depth = 0
+  for i, ch in enumerate(rest):
+    depth += {"{": 1, "}": -1}.get(ch, 0)
+    if ch == " " and depth == 0:
+      return i
+  return len(rest)
+
+
 def kernel_scopes(hlo_text: str) -> dict[str, str]:
   """``{kernel name: named scope}`` (``kernel_ops``' op names without transformations and the
   primitive)."""
@@ -141,7 +191,8 @@ def summarize_trace(
   With ``hlo_dir`` (``enable_hlo_dump``'s), also ``"by_scope": [{"scope", "kernels_per_step",
   "ms_per_step", "share"}]``, from the dumped module that names the most of the trace's kernels,
   and each ``top`` kernel's ``"op"`` there (``kernel_ops``: its scope and primitive, e.g.
-  ``mhc/btij,btid->btjd/dot_general`` for a ``gemm_fusion_dot_6``), where it has one.
+  ``mhc/btij,btid->btjd/dot_general`` for a ``gemm_fusion_dot_6``), where it has one, and its
+  ``"result"`` and ``"operands"`` types (``kernel_types``) where the module has its instruction.
   """
   files = sorted(pathlib.Path(trace_dir).rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
   if not files:
@@ -166,13 +217,14 @@ def summarize_trace(
   span = intervals[-1][1] - intervals[0][0]
   total = sum(sum(d) for d in by_name.values())
   ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
-  ops = None if hlo_dir is None else _step_ops(events, hlo_dir)
+  ops, types = (None, None) if hlo_dir is None else _step_module(events, hlo_dir)
   top_names = {name for name, _ in ranked}
-  op_of = {}  # a top kernel's op: what made it, where a kernel's name alone does not say
+  op_of, type_of = {}, {}  # a top kernel's op and shapes: what made it, where its name does not say
   for e in events if ops else ():
     name = e.get("name", "?")
     if name in top_names and name not in op_of:
       op_of[name] = _op(e, ops)
+      type_of[name] = next((types[k] for k in _keys(e) if k in types), {})
   scoped = {} if ops is None else {"by_scope": _by_scope(events, ops, num_steps, total)}
   return {
     "device": "gpu" if _is_gpu(trace) else "cpu",
@@ -188,6 +240,7 @@ def summarize_trace(
         "calls_per_step": len(d) / num_steps,
         "share": sum(d) / total if total else 0.0,
         **({"op": op_of[name]} if op_of.get(name) else {}),
+        **type_of.get(name, {}),
       }
       for name, d in ranked
     ],
@@ -208,15 +261,19 @@ def _op(e: dict, ops: dict[str, str]) -> str | None:
   return next((ops[k] for k in _keys(e) if k in ops), None)
 
 
-def _step_ops(events: list[dict], hlo_dir: str | pathlib.Path) -> dict[str, str]:
-  """``kernel_ops`` of the dumped module that names the most of ``events``: each token bucket
-  compiles a module of the same name, and the one that names the most kernels ran."""
+def _step_module(events: list[dict], hlo_dir: str | pathlib.Path) -> tuple[dict[str, str], dict[str, dict]]:
+  """``kernel_ops`` and ``kernel_types`` of the dumped module that names the most of ``events``:
+  each token bucket compiles a module of the same name, and the one that names the most kernels
+  ran."""
   files = list(pathlib.Path(hlo_dir).rglob("*after_optimizations.txt"))
   if not files:
     raise RuntimeError(
       f"no *after_optimizations.txt under {hlo_dir}: was enable_hlo_dump({str(hlo_dir)!r}) called first?"
     )
-  return max((kernel_ops(f.read_text()) for f in files), key=lambda ops: sum(_op(e, ops) is not None for e in events))
+  texts = {f: f.read_text() for f in files}
+  named = {f: kernel_ops(t) for f, t in texts.items()}
+  best = max(files, key=lambda f: sum(_op(e, named[f]) is not None for e in events))
+  return named[best], kernel_types(texts[best])
 
 
 def _by_scope(events: list[dict], ops: dict[str, str], num_steps: int, total: float) -> list[dict]:

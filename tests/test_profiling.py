@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxkv.profiling import enable_hlo_dump, hlo_dump_beside, kernel_ops, kernel_scopes, summarize_trace
+from jaxkv.profiling import enable_hlo_dump, hlo_dump_beside, kernel_ops, kernel_scopes, kernel_types, summarize_trace
 
 
 def _write(tmp_path, kernels, hlo_ops=None):
@@ -99,6 +99,25 @@ def test_scopes_skip_transformations_and_einsum_specs():
   assert ops["loop_exponential_fusion"] == "jit(main)/sampler/exp"
 
 
+def test_kernel_types_name_each_kernels_shapes_without_layouts():
+  hlo = """HloModule jit__device_step
+
+ENTRY %main.4 (x: bf16[64,4,128], i: s32[64]) -> f32[64,128] {
+  %x = bf16[64,4,128]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %i = s32[64]{0} parameter(1)
+  %kda.2 = (f32[64,128]{1,0}, u32[9,16]{1,0}) custom-call(%x, %i), custom_call_target="triton", backend_config={"a":{"b":[1,2]}}
+  ROOT %loop_convert_fusion.4 = f32[64,128]{1,0} fusion(%x, %i, %kda.2), kind=kLoop, calls=%fused_computation
+}
+"""
+  types = kernel_types(hlo)
+  assert types["loop_convert_fusion_4"] == {
+    "result": "f32[64,128]",
+    "operands": ["bf16[64,4,128]", "s32[64]", "(f32[64,128], u32[9,16])"],
+  }
+  assert types["kda_2"] == {"result": "(f32[64,128], u32[9,16])", "operands": ["bf16[64,4,128]", "s32[64]"]}
+  assert types["x"] == {"result": "bf16[64,4,128]", "operands": []}
+
+
 def test_kernels_per_scope_from_the_best_matching_module(tmp_path):
   hlo = _optimized_hlo()
   scopes = kernel_scopes(hlo)
@@ -124,8 +143,13 @@ def test_kernels_per_scope_from_the_best_matching_module(tmp_path):
   ops = {t["name"]: t.get("op") for t in p["top"]}
   assert ops["nvjet_gemm"] == kernel_ops(hlo)[moe] and ops["nvjet_gemm"].startswith("moe/experts/"), ops
   assert ops[mhc].startswith("mhc/") and ops["memcpy"] is None
+  # And the shapes it reads and writes, from the same module.
+  top = {t["name"]: t for t in p["top"]}
+  assert {k: top[mhc][k] for k in ("result", "operands")} == kernel_types(hlo)[mhc]
+  assert top[mhc]["operands"] and all(t.startswith("f32[64,") for t in [top[mhc]["result"], *top[mhc]["operands"]])
+  assert "result" not in top["memcpy"]  # no instruction of its name
   plain = summarize_trace(tmp_path, num_steps=2)
-  assert "by_scope" not in plain and all("op" not in t for t in plain["top"])
+  assert "by_scope" not in plain and all("op" not in t and "result" not in t for t in plain["top"])
 
 
 def test_missing_hlo_and_late_dump_are_clear_errors(tmp_path):
