@@ -227,17 +227,56 @@ def pow2_chunks(n: int) -> list[tuple[int, int]]:
   return out
 
 
-def read_rows(words: jax.Array, rows: jax.Array, offset: int, n: int) -> jax.Array:
-  """``words[rows[i], offset:offset + n]`` for each i, ``[len(rows), n]``: one contiguous slice per
-  row (``rows`` in range)."""
-  return jax.vmap(lambda r: jax.lax.dynamic_slice(words, (r, offset), (1, n))[0])(rows)
+def as_words(pages: jax.Array) -> jax.Array:
+  """Pages ``[N, W]`` of 32-bit words as uint32: their uint8 bytes ``[N, 4W]`` bitcast (free on a
+  GPU; XLA's CPU backend copies the whole array), or the words themselves."""
+  if pages.dtype == jnp.uint32:
+    return pages
+  return jax.lax.bitcast_convert_type(pages.reshape(pages.shape[0], -1, 4), jnp.uint32)
 
 
-def write_rows(words: jax.Array, rows: jax.Array, offset: int, values: jax.Array) -> jax.Array:
-  """``words[rows[i], offset:offset + n] = values[i]`` for ``values [len(rows), n]``; a row out of
-  range writes nothing (one windowed scatter: no index per element)."""
+def as_bytes(words: jax.Array, like: jax.Array) -> jax.Array:
+  """``as_words``' inverse: the uint32 ``words`` in the dtype and shape of the pages ``like``."""
+  if like.dtype == jnp.uint32:
+    return words
+  return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(like.shape)
+
+
+def _bytewise(pages: jax.Array) -> bool:
+  # A whole arena's bitcast between widths is a copy on the CPU (82% of the tiny model's decode
+  # step): there the rows are sliced as bytes and only the slices converted. On a GPU the bitcast
+  # is free and the word view keeps each row's accesses 32 bits wide.
+  return pages.dtype == jnp.uint8 and target_backend() == "cpu"
+
+
+def _gather_rows(a: jax.Array, rows: jax.Array, offset: int, n: int) -> jax.Array:
+  """``a[rows[i], offset:offset + n]`` for ``a [N, W, ...]``: one contiguous slice per row."""
+  corner = lambda r: (r, offset) + (0,) * (a.ndim - 2)
+  return jax.vmap(lambda r: jax.lax.dynamic_slice(a, corner(r), (1, n, *a.shape[2:]))[0])(rows)
+
+
+def _scatter_rows(a: jax.Array, rows: jax.Array, offset: int, values: jax.Array) -> jax.Array:
+  """``a [N, W, ...]`` with ``a[rows[i], offset:offset + n] = values[i]``; a row out of range
+  writes nothing (one windowed scatter: no index per element)."""
   idx = jnp.stack([rows, jnp.full_like(rows, offset)], axis=1)
   dnums = jax.lax.ScatterDimensionNumbers(
-    update_window_dims=(1,), inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0, 1)
+    update_window_dims=tuple(range(1, a.ndim)), inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0, 1)
   )
-  return jax.lax.scatter(words, idx, values, dnums, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+  return jax.lax.scatter(a, idx, values, dnums, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+
+
+def read_rows(pages: jax.Array, rows: jax.Array, offset: int, n: int) -> jax.Array:
+  """Words ``[offset, offset + n)`` of page rows ``rows`` (in range), uint32 ``[len(rows), n]``.
+  ``pages``: uint32 ``[N, W]``, or the same words' bytes, uint8 ``[N, 4W]``."""
+  if _bytewise(pages):
+    return jax.lax.bitcast_convert_type(_gather_rows(pages.reshape(pages.shape[0], -1, 4), rows, offset, n), jnp.uint32)
+  return _gather_rows(as_words(pages), rows, offset, n)
+
+
+def write_rows(pages: jax.Array, rows: jax.Array, offset: int, values: jax.Array) -> jax.Array:
+  """``pages`` (as ``read_rows`` takes them) with words ``[offset, offset + n)`` of page row
+  ``rows[i]`` set to ``values[i]`` (uint32 ``[len(rows), n]``); a row out of range writes nothing."""
+  if _bytewise(pages):
+    new = jax.lax.bitcast_convert_type(values, jnp.uint8)  # [R, n, 4]
+    return _scatter_rows(pages.reshape(pages.shape[0], -1, 4), rows, offset, new).reshape(pages.shape)
+  return as_bytes(_scatter_rows(as_words(pages), rows, offset, values), pages)

@@ -33,9 +33,16 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
-from jaxtyping import Array, Float, Int, UInt32
+from jaxtyping import Array, Float, Int, UInt8, UInt32
 
-from pallas_kernels._common import default_interpret, read_rows, resolve_implementation, write_rows
+from pallas_kernels._common import (
+  as_bytes,
+  as_words,
+  default_interpret,
+  read_rows,
+  resolve_implementation,
+  write_rows,
+)
 
 __all__ = [
   "fused_recurrent_kda",
@@ -163,13 +170,17 @@ def _validate(q, k, v, g, beta, state, pages, dest, req_indices, slot, offset, s
     state = jax.ShapeDtypeStruct((src.shape[0], *q.shape[1:], v.shape[-1]), jnp.float32)
   check_delta_rule_inputs(q, k, v, g, beta, state, req_indices=req_indices, slot=slot)
   r, h, kd, vd = state.shape
-  if pages.ndim != 2 or pages.dtype != jnp.uint32:
-    raise ValueError(f"pages must be uint32 [N, W] (the pages' 32-bit words), got {pages.dtype}{list(pages.shape)}.")
+  if pages.ndim != 2 or not (pages.dtype == jnp.uint32 or (pages.dtype == jnp.uint8 and pages.shape[1] % 4 == 0)):
+    raise ValueError(
+      "pages must be uint32 [N, W] (the pages' 32-bit words) or their bytes uint8 [N, 4W], got "
+      f"{pages.dtype}{list(pages.shape)}."
+    )
+  w = pages.shape[1] * pages.dtype.itemsize // 4
   if dest.ndim != 2 or dest.shape[0] != r or dest.dtype != jnp.int32:
     raise ValueError(f"dest must be int32 [R, S] with R = {r}, got {dest.dtype}{list(dest.shape)}.")
-  if not 0 <= offset <= pages.shape[1] - h * kd * vd:
+  if not 0 <= offset <= w - h * kd * vd:
     raise ValueError(
-      f"offset must place a state of H * K * V = {h * kd * vd} words inside a page of W = {pages.shape[1]} "
+      f"offset must place a state of H * K * V = {h * kd * vd} words inside a page of W = {w} "
       f"words, got offset {offset}."
     )
 
@@ -186,7 +197,7 @@ def fused_recurrent_kda(
   g: Float[Array, "T H K"],
   beta: Float[Array, "T H"],
   state: Float[Array, "R H K V"] | None,
-  pages: UInt32[Array, "N W"],
+  pages: UInt32[Array, "N W"] | UInt8[Array, "N W4"],
   dest: Int[Array, "R S"],
   req_indices: Int[Array, " T"],
   slot: Int[Array, " T"],
@@ -197,16 +208,16 @@ def fused_recurrent_kda(
   num_warps: int = 2,
   implementation: str = "auto",
   interpret: bool | None = None,
-) -> tuple[Float[Array, "T H V"], UInt32[Array, "N W"]]:
+) -> tuple[Float[Array, "T H V"], UInt32[Array, "N W"] | UInt8[Array, "N W4"]]:
   """The delta rule over each request's tokens; returns ``(o, pages)``.
 
   Args:
     q, k, g: float32 ``[T, H, K]`` (normed query and key, log-decay); v: ``[T, H, V]``;
       beta: ``[T, H]`` write strength.
     state: float32 ``[R, H, K, V]`` the state each request starts from; None with ``src``.
-    pages: uint32 ``[N, W]`` (donated): the state after token ``t`` of request ``r`` goes, as
-      float32 bits in ``[H, K, V]`` order, to words ``[offset, offset + H*K*V)`` of row
-      ``dest[r, slot[t]]``; every other word keeps its value.
+    pages: uint32 ``[N, W]``, or the same words' bytes uint8 ``[N, 4W]`` (donated): the state
+      after token ``t`` of request ``r`` goes, as float32 bits in ``[H, K, V]`` order, to words
+      ``[offset, offset + H*K*V)`` of row ``dest[r, slot[t]]``; every other word keeps its value.
     dest: int32 ``[R, S]`` the page row of each request's ``S`` state slots; out of ``[0, N)``:
       not saved.
     req_indices: int32 ``[T]`` request of each token, -1 for padding; a request's tokens are
@@ -219,7 +230,8 @@ def fused_recurrent_kda(
     block_v, num_warps: the kernel's tile of V and Triton's warps.
     implementation: ``"pallas"``, ``"xla"`` or ``"auto"`` (``resolve_implementation``).
   Returns:
-    ``o`` float32 ``[T, H, V]`` (zero for padding tokens) and the updated ``pages``.
+    ``o`` float32 ``[T, H, V]`` (zero for padding tokens) and the updated ``pages`` (their dtype
+    and shape).
   """
   _validate(q, k, v, g, beta, state, pages, dest, req_indices, slot, offset, src)
   if resolve_implementation(implementation) == "xla":
@@ -233,10 +245,11 @@ def fused_recurrent_kda(
   if vd % bv or bv & (bv - 1):
     raise ValueError(f"block_v must be a power of two dividing V = {vd}, got {bv}.")
   start, count = request_spans(req_indices, r)
+  words = as_words(pages)
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
-  o, pages = pl.pallas_call(
+  o, words = pl.pallas_call(
     functools.partial(_kda_kernel, block_v=bv, num_slots=num_slots, offset=offset, from_pages=state is None),
-    out_shape=(jax.ShapeDtypeStruct((t, h, vd), jnp.float32), jax.ShapeDtypeStruct(pages.shape, pages.dtype)),
+    out_shape=(jax.ShapeDtypeStruct((t, h, vd), jnp.float32), jax.ShapeDtypeStruct(words.shape, jnp.uint32)),
     grid=(r, h, vd // bv),
     in_specs=[any_spec] * 11,
     out_specs=(any_spec, any_spec),
@@ -244,9 +257,9 @@ def fused_recurrent_kda(
     interpret=default_interpret(interpret),
     compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
     name="fused_recurrent_kda",
-  )(start, count, slot, dest, q, k, v, g, beta, src if state is None else state, pages)
+  )(start, count, slot, dest, q, k, v, g, beta, src if state is None else state, words)
   # Padding tokens belong to no program: their rows were never written.
-  return jnp.where((req_indices >= 0)[:, None, None], o, 0.0), pages
+  return jnp.where((req_indices >= 0)[:, None, None], o, 0.0), as_bytes(words, pages)
 
 
 def fused_recurrent_kda_reference(q, k, v, g, beta, state, pages, dest, req_indices, slot, *, src=None, offset=0):

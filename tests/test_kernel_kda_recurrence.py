@@ -1,9 +1,11 @@
 """The fused recurrent KDA kernel against its reference and a NumPy oracle, on random ragged steps."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import _common, read_rows, write_rows
 from pallas_kernels.kda_recurrence import fused_recurrent_kda
 
 H, K, V = 2, 16, 32
@@ -90,7 +92,10 @@ def states_in_pages(rng, args, pages, dest, offset=5):
   return {**args, "state": state}, pages, src
 
 
-def call(args, pages, dest, req, slot, impl, offset=5, **kw):
+def call(args, pages, dest, req, slot, impl, offset=5, page_dtype=None, **kw):
+  """The kernel on ``pages`` (viewed as ``page_dtype``: their bytes, say); the pages returned as
+  words."""
+  pages = pages if page_dtype is None else pages.view(page_dtype)
   o, new = fused_recurrent_kda(
     **{k: a if a is None else jnp.asarray(a) for k, a in args.items()},
     pages=jnp.asarray(pages),
@@ -101,12 +106,14 @@ def call(args, pages, dest, req, slot, impl, offset=5, **kw):
     implementation=impl,
     **kw,
   )
-  return np.asarray(o), np.asarray(new)
+  assert new.dtype == pages.dtype and new.shape == pages.shape
+  return np.asarray(o), np.asarray(new).view(np.uint32)
 
 
+@pytest.mark.parametrize("page_dtype", [np.uint32, np.uint8])
 @pytest.mark.parametrize("from_pages", [False, True])
 @pytest.mark.parametrize("lengths,num_slots", [((5, 1, 9, 3), 1), ((1, 1, 1), 1), ((6, 2, 4), 3), ((17,), 2)])
-def test_kernel_matches_reference_and_oracle(lengths, num_slots, from_pages):
+def test_kernel_matches_reference_and_oracle(lengths, num_slots, from_pages, page_dtype):
   rng = np.random.default_rng(sum(lengths) * 31 + num_slots)
   args, req, slot, r = random_step(rng, lengths, 24, num_slots)
   pages, dest = random_pages(rng, r, req, num_slots)
@@ -114,8 +121,8 @@ def test_kernel_matches_reference_and_oracle(lengths, num_slots, from_pages):
   if from_pages:  # the kernel reads the states from the pages: args["state"] is the oracle's
     args, pages, src = states_in_pages(rng, args, pages, dest)
     start = dict(state=None, src=jnp.asarray(src))
-  o_k, pages_k = call({**args, **start}, pages, dest, req, slot, "pallas", block_v=16)
-  o_r, pages_r = call({**args, **start}, pages, dest, req, slot, "xla")
+  o_k, pages_k = call({**args, **start}, pages, dest, req, slot, "pallas", page_dtype=page_dtype, block_v=16)
+  o_r, pages_r = call({**args, **start}, pages, dest, req, slot, "xla", page_dtype=page_dtype)
   o_n, saved = oracle(**args, req=req, slot=slot, num_slots=num_slots)
   np.testing.assert_allclose(o_k, o_n, atol=2e-5)
   np.testing.assert_allclose(o_r, o_n, atol=2e-5)
@@ -167,6 +174,8 @@ def test_bad_arguments_name_the_shapes():
     call(args, pages, dest, req, slot, "pallas", block_v=12)
   with pytest.raises(ValueError, match="pages must be uint32"):
     call(args, pages.view(np.float32), dest, req, slot, "xla")
+  with pytest.raises(ValueError, match=r"or their bytes uint8 \[N, 4W\], got uint8\[6, 4127\]"):
+    call(args, pages.view(np.uint8)[:, :-1], dest, req, slot, "xla")
   with pytest.raises(ValueError, match=r"dest must be int32 \[R, S\] with R = 2"):
     call(args, pages, dest[:1], req, slot, "xla")
   with pytest.raises(ValueError, match="offset must place a state of H \\* K \\* V = 1024 words inside a page of W"):
@@ -175,3 +184,29 @@ def test_bad_arguments_name_the_shapes():
     call({**args, "src": np.zeros(r, np.int32)}, pages, dest, req, slot, "xla")
   with pytest.raises(ValueError, match=r"src must be int32 \[R\]"):
     call({**args, "state": None, "src": np.zeros((r, 1), np.int32)}, pages, dest, req, slot, "xla")
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_page_rows_read_and_write_the_same_words_from_bytes(monkeypatch, backend):
+  """``read_rows`` / ``write_rows`` on a page arena given as bytes: on the CPU they slice the bytes
+  (a whole-arena bitcast is a copy there: no word array of the arena's size is compiled), elsewhere
+  they go through the word view; both match the words' own path and a NumPy oracle, and a row out
+  of range writes nothing."""
+  monkeypatch.setattr(_common, "target_backend", lambda: backend)
+  rng = np.random.default_rng(11)
+  words = rng.integers(0, 2**32, (9, 40), dtype=np.uint32)
+  rows, new = np.array([7, 2, 9, 4], np.int32), rng.integers(0, 2**32, (4, 13), dtype=np.uint32)
+  want = words.copy()
+  for r, w in zip(rows, new):
+    if r < len(words):
+      want[r, 6:19] = w
+  # Fresh functions: jit's cache would otherwise serve one backend's trace to the other.
+  read, write = jax.jit(lambda p, r: read_rows(p, r, 6, 13)), jax.jit(lambda p, r, v: write_rows(p, r, 6, v))
+  for pages in (words, words.view(np.uint8)):
+    got = read(jnp.asarray(pages), jnp.asarray(rows[[0, 1, 3]]))
+    np.testing.assert_array_equal(got, words[rows[[0, 1, 3]], 6:19])
+    out = write(jnp.asarray(pages), jnp.asarray(rows), jnp.asarray(new))
+    assert out.dtype == pages.dtype and out.shape == pages.shape
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint32), want)
+  hlo = write.lower(jnp.asarray(words.view(np.uint8)), jnp.asarray(rows), jnp.asarray(new)).compile().as_text()
+  assert ("u32[9,40]" in hlo) == (backend == "gpu")

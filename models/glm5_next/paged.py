@@ -317,7 +317,7 @@ class _StatePage:
     n_conv, c = self._conv_words, self.heads * self.head_dim
     shapes = ((self.heads, self.head_dim, self.head_dim),) + self._prefix_shapes if states else ()
     sizes = [math.prod(s) for s in shapes]
-    raw = read_rows(_as_words(arr), rows, self.view.offset_bytes // 4, n_conv + sum(sizes))
+    raw = read_rows(arr, rows, self.view.offset_bytes // 4, n_conv + sum(sizes))
     conv = _from_words(raw[:, :n_conv], self.state_dtype).reshape(-1, 3, self.conv_rows, c)
     out, at = [conv], n_conv
     for shape, n in zip(shapes, sizes):
@@ -331,42 +331,25 @@ class _StatePage:
     num_reqs, num_slots = conv_slots.shape[:2]
     parts = [conv_slots] + ([] if rec_slots is None else [rec_slots])
     new = jnp.concatenate([_to_words(p).reshape(num_reqs, num_slots, -1) for p in parts], axis=2)
-    return _write_words(arr, dest, self.view.offset_bytes // 4, new.reshape(num_reqs * num_slots, -1))
+    return write_rows(arr, dest, self.view.offset_bytes // 4, new.reshape(num_reqs * num_slots, -1))
 
   def write_state(self, arr, dest, state):
     """``arr`` with the states ``[R, H, K, K]`` written to blocks ``dest [R]`` (out of range: not
     written)."""
-    return _write_words(arr, dest, self.state_word, _to_words(state).reshape(state.shape[0], -1))
+    return write_rows(arr, dest, self.state_word, _to_words(state).reshape(state.shape[0], -1))
 
   def write_prefix(self, arr, dest, *prefix):
     """``arr`` with the prefix's four arrays ``[R, chunk, H, ...]`` written after the state of
     blocks ``dest [R]`` (out of range: not written)."""
     new = jnp.concatenate([_to_words(p).reshape(p.shape[0], -1) for p in prefix], axis=1)
-    return _write_words(arr, dest, self.state_word + self.heads * self.head_dim**2, new)
+    return write_rows(arr, dest, self.state_word + self.heads * self.head_dim**2, new)
 
   def recurrence(self, kda, q, k, v, g, beta, start, arr, dest, req_indices, slot):
     """``fused_recurrent_kda`` writing the saved states straight into their pages of ``arr``:
     ``(o, arr)``. ``start``: the states to start from (float32 ``[R, H, K, K]``) or the blocks
     holding them (int32 ``[R]``, -1: zeros), which the kernel reads itself."""
     state, src = (None, start) if start.dtype == jnp.int32 else (start, None)
-    o, words = kda(q, k, v, g, beta, state, _as_words(arr), dest, req_indices, slot, src=src, offset=self.state_word)
-    return o, _as_bytes(words, arr.shape)
-
-
-def _as_words(arr):
-  """A uint8 ``[N, B]`` backing array as uint32 ``[N, B / 4]`` (a free bitcast inside jit)."""
-  return jax.lax.bitcast_convert_type(arr.reshape(arr.shape[0], -1, 4), jnp.uint32)
-
-
-def _as_bytes(words, shape):
-  """The page arena's bytes ``shape`` back from its 32-bit words (``_as_words``'s inverse)."""
-  return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(shape)
-
-
-def _write_words(arr, dest, offset, new):
-  """``arr`` with rows ``new [R, n]`` of 32-bit words written at word ``offset`` of blocks ``dest
-  [R]`` (out of range: not written)."""
-  return _as_bytes(write_rows(_as_words(arr), dest, offset, new), arr.shape)
+    return kda(q, k, v, g, beta, state, arr, dest, req_indices, slot, src=src, offset=self.state_word)
 
 
 def _from_words(w, dtype):
