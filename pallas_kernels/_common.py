@@ -249,6 +249,22 @@ def _bytewise(pages: jax.Array) -> bool:
   return pages.dtype == jnp.uint8 and target_backend() == "cpu"
 
 
+# Little-endian words from and to their bytes by shifts, not bitcasts: XLA's CPU simplifier folds
+# u8 -> u32 -> bf16 bitcasts into one u8[..., 4] -> bf16 bitcast, which its verifier then rejects.
+_SHIFTS = (0, 8, 16, 24)
+
+
+def _bytes_to_words(b: jax.Array) -> jax.Array:
+  """uint8 ``[..., 4]`` -> uint32 ``[...]``."""
+  w = b.astype(jnp.uint32)
+  return functools.reduce(jnp.bitwise_or, [w[..., i] << s for i, s in enumerate(_SHIFTS)])
+
+
+def _words_to_bytes(w: jax.Array) -> jax.Array:
+  """uint32 ``[...]`` -> uint8 ``[..., 4]``."""
+  return ((w[..., None] >> jnp.array(_SHIFTS, jnp.uint32)) & 0xFF).astype(jnp.uint8)
+
+
 def _gather_rows(a: jax.Array, rows: jax.Array, offset: int, n: int) -> jax.Array:
   """``a[rows[i], offset:offset + n]`` for ``a [N, W, ...]``: one contiguous slice per row."""
   corner = lambda r: (r, offset) + (0,) * (a.ndim - 2)
@@ -269,7 +285,7 @@ def read_rows(pages: jax.Array, rows: jax.Array, offset: int, n: int) -> jax.Arr
   """Words ``[offset, offset + n)`` of page rows ``rows`` (in range), uint32 ``[len(rows), n]``.
   ``pages``: uint32 ``[N, W]``, or the same words' bytes, uint8 ``[N, 4W]``."""
   if _bytewise(pages):
-    return jax.lax.bitcast_convert_type(_gather_rows(pages.reshape(pages.shape[0], -1, 4), rows, offset, n), jnp.uint32)
+    return _bytes_to_words(_gather_rows(pages.reshape(pages.shape[0], -1, 4), rows, offset, n))
   return _gather_rows(as_words(pages), rows, offset, n)
 
 
@@ -277,6 +293,6 @@ def write_rows(pages: jax.Array, rows: jax.Array, offset: int, values: jax.Array
   """``pages`` (as ``read_rows`` takes them) with words ``[offset, offset + n)`` of page row
   ``rows[i]`` set to ``values[i]`` (uint32 ``[len(rows), n]``); a row out of range writes nothing."""
   if _bytewise(pages):
-    new = jax.lax.bitcast_convert_type(values, jnp.uint8)  # [R, n, 4]
+    new = _words_to_bytes(values)  # [R, n, 4]
     return _scatter_rows(pages.reshape(pages.shape[0], -1, 4), rows, offset, new).reshape(pages.shape)
   return as_bytes(_scatter_rows(as_words(pages), rows, offset, values), pages)
