@@ -210,3 +210,8 @@ def test_page_rows_read_and_write_the_same_words_from_bytes(monkeypatch, backend
     np.testing.assert_array_equal(np.asarray(out).view(np.uint32), want)
   hlo = write.lower(jnp.asarray(words.view(np.uint8)), jnp.asarray(rows), jnp.asarray(new)).compile().as_text()
   assert ("u32[9,40]" in hlo) == (backend == "gpu")
+  # Words read as bf16 pairs (the conv windows): the CPU's simplifier once merged a bytes -> words
+  # -> bf16 bitcast chain into one it rejected.
+  as_bf16 = jax.jit(lambda p, r: jax.lax.bitcast_convert_type(read_rows(p, r, 6, 13), jnp.bfloat16))
+  got = as_bf16(jnp.asarray(words.view(np.uint8)), jnp.asarray(rows[[0, 1, 3]]))
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint16), words[rows[[0, 1, 3]], 6:19, None].view(np.uint16))
