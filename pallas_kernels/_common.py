@@ -249,20 +249,12 @@ def _bytewise(pages: jax.Array) -> bool:
   return pages.dtype == jnp.uint8 and target_backend() == "cpu"
 
 
-# Little-endian words from and to their bytes by shifts, not bitcasts: XLA's CPU simplifier folds
-# u8 -> u32 -> bf16 bitcasts into one u8[..., 4] -> bf16 bitcast, which its verifier then rejects.
-_SHIFTS = (0, 8, 16, 24)
-
-
 def _bytes_to_words(b: jax.Array) -> jax.Array:
-  """uint8 ``[..., 4]`` -> uint32 ``[...]``."""
+  """uint8 ``[..., 4]`` -> uint32 ``[...]``, little-endian (``value_bytes``' inverse for words), by
+  shifts, not a bitcast: XLA's CPU simplifier folds u8 -> u32 -> bf16 bitcasts into one
+  ``u8[..., 4] -> bf16`` bitcast, which its verifier then rejects."""
   w = b.astype(jnp.uint32)
-  return functools.reduce(jnp.bitwise_or, [w[..., i] << s for i, s in enumerate(_SHIFTS)])
-
-
-def _words_to_bytes(w: jax.Array) -> jax.Array:
-  """uint32 ``[...]`` -> uint8 ``[..., 4]``."""
-  return ((w[..., None] >> jnp.array(_SHIFTS, jnp.uint32)) & 0xFF).astype(jnp.uint8)
+  return functools.reduce(jnp.bitwise_or, [w[..., i] << (8 * i) for i in range(4)])
 
 
 def _gather_rows(a: jax.Array, rows: jax.Array, offset: int, n: int) -> jax.Array:
@@ -293,6 +285,6 @@ def write_rows(pages: jax.Array, rows: jax.Array, offset: int, values: jax.Array
   """``pages`` (as ``read_rows`` takes them) with words ``[offset, offset + n)`` of page row
   ``rows[i]`` set to ``values[i]`` (uint32 ``[len(rows), n]``); a row out of range writes nothing."""
   if _bytewise(pages):
-    new = _words_to_bytes(values)  # [R, n, 4]
+    new = value_bytes(values).reshape(*values.shape, 4)
     return _scatter_rows(pages.reshape(pages.shape[0], -1, 4), rows, offset, new).reshape(pages.shape)
   return as_bytes(_scatter_rows(as_words(pages), rows, offset, values), pages)
