@@ -33,6 +33,9 @@ from jaxkv.gpu_target import GPU_TARGETS  # noqa: E402
 
 KPOOL, D_IDX, H_IDX, P = 4, 128, 32, 64
 CLOCK = "wall"  # --clock: "wall" (host timer around each loop) or "device" (the trace's kernel time)
+# Under --clock device: the last timed loop's kernels, us per call each (a case of two kernels, as
+# chunk_kda's, says which of them costs).
+LAST_KERNELS: dict[str, float] = {}
 H_MLA, L_MLA, TOPK = 64, 512, 2048
 E_MOE, D_MOE, F_MOE, K_MOE = 288, 4096, 2048, 8  # routed experts, hidden, expert width, experts per token
 H_KDA, D_KDA = 64, 128  # KDA heads, head dim (K = V)
@@ -123,7 +126,8 @@ SWEEP = [
   # products are out: 5.7x slower than 3xTF32 on the H200.
   (
     "kda_chunk",
-    [dict(reqs=1, tokens=2048), dict(reqs=2, tokens=1024)],
+    # 32 x 256: an 8,192-token step of 32 prompts at the engine's long-prefill cap of 256.
+    [dict(reqs=32, tokens=256), dict(reqs=1, tokens=2048), dict(reqs=2, tokens=1024)],
     # The per-chunk kernel first: on the H200 it is the pair's cost (docs/kernels.md).
     [dict(inverse_block=b, prepare_warps=w) for b in (8, 16, 32) for w in (4, 8)]
     + [dict(prepare_block_k=b, prepare_warps=w) for b in (32, 64) for w in (4, 8)]
@@ -198,7 +202,10 @@ def _device_seconds(loop, state, consts, iters, repeats):
     for _ in range(repeats):
       state = jax.block_until_ready(loop(state, consts))
     jax.profiler.stop_trace()
-    return summarize_trace(trace_dir, repeats * iters)["busy_ms_per_step"] / 1e3
+    summary = summarize_trace(trace_dir, repeats * iters, top=6)
+  LAST_KERNELS.clear()
+  LAST_KERNELS.update({k["name"][:60]: round(k["ms_per_step"] * 1e3, 2) for k in summary["top"]})
+  return summary["busy_ms_per_step"] / 1e3
 
 
 def _dep(x):
@@ -643,7 +650,7 @@ def run(args):
   for t in (1, 8, 32, 64, 2048):  # the MoE: decode batches and a prefill step
     for proj in ("gate_up", "down"):
       cases.append(("grouped_matmul", dict(tokens=t, proj=proj)))
-  for reqs, t in ((1, 2048), (2, 1024), (16, 128)):
+  for reqs, t in ((1, 2048), (2, 1024), (16, 128), (32, 256)):
     cases.append(("kda_chunk", dict(reqs=reqs, tokens=t)))
   for t in (1, 32, 2048):  # decode batches and a prefill step's tokens
     cases.append(("mhc_mix", dict(tokens=t)))
@@ -701,11 +708,16 @@ def run(args):
           print(f"sweep {name} {kw} {tune}: {type(e).__name__}: {str(e)[:200]}", flush=True)
           continue
         entry = {"kernel": name, **kw, **tune, "us": t * 1e6, "frac_bw": nbytes / t / bw}
+        if CLOCK == "device":
+          entry["kernels_us"] = dict(LAST_KERNELS)
         if name == "grouped_matmul":  # prefill sizes are bound by the matmul rate, not the bytes
           entry["tflops"] = 2 * kw["tokens"] * K_MOE * D_MOE * F_MOE / t / 1e12
         result["sweep"].append(entry)
         rate = f", {entry['tflops']:.0f} TFLOP/s" if "tflops" in entry else ""
-        print(f"sweep {name} {kw} {tune}: {t * 1e6:.1f} us, {100 * nbytes / t / bw:.0f}% of BW{rate}", flush=True)
+        split = f" {entry['kernels_us']}" if "kernels_us" in entry else ""
+        print(
+          f"sweep {name} {kw} {tune}: {t * 1e6:.1f} us, {100 * nbytes / t / bw:.0f}% of BW{rate}{split}", flush=True
+        )
         save()
   if args.sweep_only:
     return
@@ -724,6 +736,8 @@ def run(args):
       try:
         t, nbytes = fns[name](**kw, impl=impl.removesuffix("_previous"), iters=args.iters, repeats=args.repeats, **tune)
         row[f"{impl}_us"] = t * 1e6
+        if CLOCK == "device":
+          row[f"{impl}_kernels_us"] = dict(LAST_KERNELS)
         row["bytes"] = nbytes
         row[f"{impl}_frac_bw"] = nbytes / t / bw
       except Exception as e:  # keep measuring the other cases; the error goes in the table
