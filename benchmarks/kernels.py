@@ -121,16 +121,16 @@ SWEEP = [
     [dict(block_v=b, num_warps=w) for b in (8, 16, 32, 64) for w in (1, 2, 4, 8) if (b, w) != (64, 1)],
   ),
   # Chunked KDA prefill at the same prefill steps: the state kernel's tile of V and warps, the
-  # per-chunk kernel's tile of K, warps and diagonal blocks of (I + A)^-1 (`jaxkv lower --build`
+  # per-chunk kernels' tile of K and warps (`jaxkv lower --build`
   # counts each setting's registers and spills without a GPU; docs/kernels.md). IEEE float32
   # products are out: 5.7x slower than 3xTF32 on the H200.
   (
     "kda_chunk",
     # 32 x 256: an 8,192-token step of 32 prompts at the engine's long-prefill cap of 256.
     [dict(reqs=32, tokens=256), dict(reqs=1, tokens=2048), dict(reqs=2, tokens=1024)],
-    # The per-chunk kernel first: on the H200 it is the pair's cost (docs/kernels.md).
-    [dict(inverse_block=b, prepare_warps=w) for b in (8, 16, 32) for w in (4, 8)]
-    + [dict(prepare_block_k=b, prepare_warps=w) for b in (32, 64) for w in (4, 8)]
+    # The per-chunk kernels first: on the H200 they were the cost (docs/kernels.md).
+    [dict(scores_warps=s, prepare_warps=w) for s in (2, 4) for w in (4, 8)]
+    + [dict(prepare_block_k=64, scores_warps=s) for s in (2, 4)]
     + [dict(block_v=b, num_warps=w) for b in (16, 32, 64) for w in (4, 8)],
   ),
   # The MoE's grouped matmul: tokamax's tilings at prefill steps of 8,192 and 2,048 tokens first

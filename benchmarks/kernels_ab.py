@@ -53,6 +53,11 @@ KERNELS = {
       dict(reqs=32, tokens=1),
     ],
   ),
+  "kda_chunk": (
+    "chunk_kda",
+    K.bench_kda_chunk,
+    [dict(reqs=32, tokens=256), dict(reqs=1, tokens=2048), dict(reqs=2, tokens=1024), dict(reqs=16, tokens=128)],
+  ),
   "cache_write": ("write_to_paged_cache", K.bench_cache_write, [dict(tokens=8), dict(tokens=1024), dict(tokens=8192)]),
 }
 

@@ -65,6 +65,81 @@ _HP = jax.lax.Precision.HIGHEST
 PRECISIONS = {"float32": _HP, "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3}
 
 
+def _scores_kernel(
+  owner_ref,
+  q_ref,
+  k_ref,
+  g_ref,
+  beta_ref,
+  a_ref,
+  m_ref,
+  dinv_ref,
+  *,
+  num_reqs,
+  chunk,
+  block_k,
+  precision,
+):
+  # One chunk, head and sub-block of SUB rows: the sub-block's rows of A (beta-scaled) and M, and
+  # the inverse of I + A's diagonal block. owner_ref: [N] request of each chunk (num_reqs: unused).
+  # q/k/g: [SUB + N*C, H, K] (SUB leading zero rows), beta: [.., H]. Out: a, m, dinv [N, H, C, C]
+  # (dinv: zero off the diagonal blocks). Small tiles ([SUB, K] and [SUB, C]) and four programs a
+  # chunk and head: the sequential steps (sub-diagonals, substitution) run on a sub-block's rows
+  # only, many programs to an SM (the one-program form held [C, C] tiles at 255 registers).
+  n, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  c, b = chunk, _SUB
+  i0 = s * b
+  base = b + n * c
+  mine = pl.ds(base + i0, b)
+  r = jax.lax.broadcasted_iota(jnp.int32, (b, 1), 0)  # row in the sub-block
+  rc = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)  # row in the chunk
+  col = jax.lax.broadcasted_iota(jnp.int32, (1, c), 1)
+  _dot = lambda x, y: jnp.dot(x, y, precision=precision, preferred_element_type=jnp.float32)
+
+  @pl.when(owner_ref[n] < num_reqs)
+  def _():
+    a = m = jnp.zeros((b, c), jnp.float32)
+    for ks in (pl.ds(j * block_k, block_k) for j in range(q_ref.shape[2] // block_k)):
+      # Earlier sub-blocks: through row i0, exp(gam_i - gam_i0) exp(gam_i0 - gam_j), both <= 1.
+      gam = jnp.cumsum(g_ref[pl.ds(base, c), h, ks], axis=0)  # [C, BK]
+      g0 = jnp.sum(jnp.where(rc == i0, gam, 0.0), axis=0)[None, :]  # [1, BK]
+      before = rc < i0
+      right = jnp.where(before, k_ref[pl.ds(base, c), h, ks] * jnp.exp(jnp.where(before, g0 - gam, 0.0)), 0.0)
+      e = jnp.exp(jnp.cumsum(jnp.where(r == 0, 0.0, g_ref[mine, h, ks]), axis=0))  # exp(gam_i - gam_i0)
+      a += _dot(k_ref[mine, h, ks] * e, right.T)
+      m += _dot(q_ref[mine, h, ks] * e, right.T)
+    # Inside the sub-block, all of K at once (a sequential step is a few barriers whatever its
+    # width): the d-th sub-diagonal from rows shifted d up (rows of the leading zeros or the chunk
+    # before are masked), its decay the sum of the d latest g's.
+    q, k = q_ref[mine, h, :], k_ref[mine, h, :]  # [SUB, K]
+
+    def diagonal(d, carry):
+      a, m, win = carry
+      win = win + g_ref[pl.ds(base + i0 - d + 1, b), h, :]
+      kd = k_ref[pl.ds(base + i0 - d, b), h, :] * jnp.exp(win)
+      place = (r >= d) & (col == i0 + r - d)
+      a = a + jnp.where(place, jnp.sum(k * kd, axis=1, keepdims=True), 0.0)
+      m = m + jnp.where(place, jnp.sum(q * kd, axis=1, keepdims=True), 0.0)
+      return a, m, win
+
+    a, m, _ = jax.lax.fori_loop(1, b, diagonal, (a, m, jnp.zeros_like(q)))
+    m += jnp.where(col == i0 + r, jnp.sum(q * k, axis=1, keepdims=True), 0.0)
+    a = beta_ref[mine, h][:, None] * a
+    # (I + A)^-1 of the diagonal block by forward substitution, column by column: step j takes row
+    # j (final) out of the rows below it. Not by the power series of -A: for a repeated key, I + A
+    # nears the all-ones triangle and the series' terms explode before they cancel (tested).
+
+    def substitute(j, inv):
+      aj = jnp.sum(jnp.where(col == i0 + j, a, 0.0), axis=1, keepdims=True)  # [SUB, 1]: A[:, i0 + j]
+      xj = jnp.sum(jnp.where(r == j, inv, 0.0), axis=0, keepdims=True)  # [1, C]: row j
+      return inv - jnp.where(r > j, aj, 0.0) * xj
+
+    out = pl.ds(i0, b)
+    a_ref[n, h, out, :] = a
+    m_ref[n, h, out, :] = m
+    dinv_ref[n, h, out, :] = jax.lax.fori_loop(0, b - 1, substitute, (col == i0 + r).astype(jnp.float32))
+
+
 def _prepare_kernel(
   owner_ref,
   q_ref,
@@ -72,93 +147,42 @@ def _prepare_kernel(
   g_ref,
   v_ref,
   beta_ref,
+  a_ref,
+  dinv_ref,
   w_ref,
   u0_ref,
   qe_ref,
   kd_ref,
-  m_ref,
   decay_ref,
   *,
   num_reqs,
   chunk,
   block_k,
-  inverse_block,
   precision,
 ):
-  # One chunk and head: everything of the chunk that does not depend on the state. owner_ref: [N]
-  # request of each chunk (num_reqs: unused). q/k/g: [SUB + N*C, H, K] (SUB leading zero rows),
-  # v: [.., H, V], beta: [.., H]. Out: w, qe, kd [N*C, H, K], u0 [N*C, H, V], m [N, H, C, C],
-  # decay [N, H, K]. K is taken block_k columns at a time (the decays are per column): two passes,
-  # A and M summed over the blocks, then the products with (I + A)^-1; the tiles of one block only
-  # are live at a time.
+  # One chunk and head: the rest of what does not depend on the state. a / dinv: _scores_kernel's.
+  # Out: w, qe, kd [N*C, H, K], u0 [N*C, H, V], decay [N, H, K]. (I + A)^-1 from its diagonal
+  # blocks, the blocks below them by products (fla's solve_tril): block row r is
+  # X_r,<r = -X_rr (A_r,<r X_<r), the earlier block rows final.
   n, h = pl.program_id(0), pl.program_id(1)
   c = chunk
   row = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
   col = jax.lax.broadcasted_iota(jnp.int32, (1, c), 1)
-  eye = (row == col).astype(jnp.float32)
-  _dot = lambda a, b: jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
-  base = _SUB + n * c
-  rows = pl.ds(base, c)
-  blocks = [pl.ds(b * block_k, block_k) for b in range(q_ref.shape[2] // block_k)]
-
-  def scores(ks, a, m):
-    """A and M (unscaled by beta) over the columns ``ks``, added to ``a``, ``m``."""
-    q, k = q_ref[rows, h, ks], k_ref[rows, h, ks]
-    gam = jnp.cumsum(g_ref[rows, h, ks], axis=0)  # [C, BK]
-    # Across sub-blocks: rows of block [i0, i0 + SUB) against every earlier row, through row i0.
-    for i0 in range(_SUB, c, _SUB):
-      g0 = jnp.sum(jnp.where(row == i0, gam, 0.0), axis=0)[None, :]  # [1, BK]
-      before, block = row < i0, (row >= i0) & (row < i0 + _SUB)
-      right = jnp.where(before, k * jnp.exp(jnp.where(before, g0 - gam, 0.0)), 0.0)  # [C, BK]
-      e = jnp.exp(jnp.where(block, gam - g0, 0.0))
-      a += _dot(jnp.where(block, k * e, 0.0), right.T)
-      m += _dot(jnp.where(block, q * e, 0.0), right.T)
-
-    # Inside a sub-block: the d-th sub-diagonal from rows shifted d up (the leading zero rows and
-    # the chunk before are masked), its decay the sum of the d latest g's.
-    def diagonal(d, carry):
-      a, m, win = carry
-      win = win + g_ref[pl.ds(base - d + 1, c), h, ks]
-      kd = k_ref[pl.ds(base - d, c), h, ks] * jnp.exp(win)
-      place = ((row % _SUB) >= d) & (col == row - d)
-      a = a + jnp.where(place, jnp.sum(k * kd, axis=1, keepdims=True), 0.0)
-      m = m + jnp.where(place, jnp.sum(q * kd, axis=1, keepdims=True), 0.0)
-      return a, m, win
-
-    a, m, _ = jax.lax.fori_loop(1, _SUB, diagonal, (a, m, jnp.zeros_like(gam)))
-    return a, m + jnp.where(col == row, jnp.sum(q * k, axis=1, keepdims=True), 0.0)
+  _dot = lambda x, y: jnp.dot(x, y, precision=precision, preferred_element_type=jnp.float32)
+  rows = pl.ds(_SUB + n * c, c)
 
   @pl.when(owner_ref[n] < num_reqs)
   def _():
-    beta = beta_ref[rows, h][:, None]  # [C, 1]
-    a = m = jnp.zeros((c, c), jnp.float32)
-    for ks in blocks:
-      a, m = scores(ks, a, m)
-    m_ref[n, h] = m
-    # (I + A)^-1 by forward substitution, row i = e_i - sum_{j<i} A_ij row j, inside diagonal
-    # blocks of b rows (b = C: the whole chunk), then the blocks below them by products (fla's
-    # solve_tril). Not by the power series of -A (products of squarings): for a repeated key, I + A
-    # nears the all-ones triangle and the series' terms reach ~1e17 before they cancel (tested).
-    a = beta * a
-    b = inverse_block
-    same = (row // b) == (col // b)  # [C, C]: the diagonal blocks
-
-    def substitute(i, inv):
-      if b == c:  # one row a step: its A row by a reduction, no product
-        ai = jnp.sum(jnp.where(row == i, a, 0.0), axis=0)[:, None]  # [C, 1]: A[i, :]
-        return jnp.where(row == i, eye - jnp.sum(ai * inv, axis=0, keepdims=True), inv)
-      at = (row % b) == i  # row i of every block at once, by one product over the diagonal blocks
-      return jnp.where(at, eye - _dot(jnp.where(at & same, a, 0.0), inv), inv)
-
-    inv = jax.lax.fori_loop(1, b, substitute, eye)
-    # Block row r below the diagonal: X_r,<r = -X_rr (A_r,<r X_<r), the earlier block rows final.
-    for r0 in range(b, c, b):
-      at = (row >= r0) & (row < r0 + b)
-      t = _dot(jnp.where(at & (col < r0), a, 0.0), inv)  # [C, C], block row r: A_r,<r X_<r
+    a, inv = a_ref[n, h], dinv_ref[n, h]
+    same = (row // _SUB) == (col // _SUB)  # [C, C]: the diagonal blocks
+    for r0 in range(_SUB, c, _SUB):
+      at = (row >= r0) & (row < r0 + _SUB)
+      t = _dot(jnp.where(at & (col < r0), a, 0.0), inv)  # block row r: A_r,<r X_<r
       inv = inv - _dot(jnp.where(at & same, inv, 0.0), t)
+    beta = beta_ref[rows, h][:, None]  # [C, 1]
     out = pl.ds(n * c, c)
     u0_ref[out, h, :] = _dot(inv, beta * v_ref[rows, h, :])
-    for ks in blocks:
+    for ks in (pl.ds(j * block_k, block_k) for j in range(q_ref.shape[2] // block_k)):
       k = k_ref[rows, h, ks]
       gam = jnp.cumsum(g_ref[rows, h, ks], axis=0)
       eg = jnp.exp(gam)
@@ -312,7 +336,7 @@ def _validate(q, k, v, g, beta, state, prefix, req_indices, positions) -> int:
     "num_warps",
     "prepare_block_k",
     "prepare_warps",
-    "inverse_block",
+    "scores_warps",
     "precision",
     "implementation",
     "interpret",
@@ -334,7 +358,7 @@ def chunk_kda(
   num_warps: int = 4,
   prepare_block_k: int = 32,
   prepare_warps: int = 8,
-  inverse_block: int | None = None,
+  scores_warps: int = 2,
   precision: str = "tf32x3",
   implementation: str = "auto",
   interpret: bool | None = None,
@@ -351,10 +375,9 @@ def chunk_kda(
     req_indices: int32 ``[T]`` request of each token, -1 for tokens this call skips (padding, or
       tokens the caller runs recurrently); a request's tokens are contiguous and in order.
     positions: int32 ``[T]`` each token's position in its request.
-    block_v, num_warps: the state kernel's tile of V and Triton's warps; prepare_block_k,
-      prepare_warps: the per-chunk kernel's tile of K and warps; inverse_block: rows of the
-      diagonal blocks of ``(I + A)^-1`` found by forward substitution, the blocks below them by
-      products (a power of two dividing ``C``; None: ``C``, the whole chunk by substitution).
+    block_v, num_warps: the state kernel's tile of V and Triton's warps; prepare_block_k: the
+      tile of K of the two per-chunk kernels; prepare_warps, scores_warps: their warps (the
+      per-chunk kernel's and the per-sub-block one's).
     precision: the kernel's matrix products, ``"float32"`` or ``"tf32x3"`` (``PRECISIONS``;
       interpreted: float32).
     implementation: ``"pallas"``, ``"xla"`` or ``"auto"`` (``resolve_implementation``).
@@ -376,33 +399,36 @@ def chunk_kda(
   bk = min(prepare_block_k, kd)
   if kd % bk or bk & (bk - 1) or bk < _SUB:
     raise ValueError(f"prepare_block_k must be a power of two >= {_SUB} dividing K = {kd}, got {bk}.")
-  ib = c if inverse_block is None else inverse_block
-  if ib < 1 or c % ib or ib & (ib - 1):
-    raise ValueError(f"inverse_block must be a power of two dividing the chunk C = {c}, got {inverse_block}.")
   ch = _chunks(req_indices, positions, r, c)
   rows = tuple(_gather(x, pre, ch.src) for x, pre in zip((k, g, v, beta), prefix))
   n = ch.owner.shape[0]
+  q_rows = _gather(q, None, ch.src)
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   prec = PRECISIONS["float32" if interpret else precision]
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-  # Per chunk and head (all chunks at once): what does not depend on the state.
-  parts = pl.pallas_call(
-    functools.partial(_prepare_kernel, num_reqs=r, chunk=c, block_k=bk, inverse_block=ib, precision=prec),
-    out_shape=(
-      f32(n * c, h, kd),
-      f32(n * c, h, vd),
-      f32(n * c, h, kd),
-      f32(n * c, h, kd),
-      f32(n, h, c, c),
-      f32(n, h, kd),
-    ),
+  kw = dict(num_reqs=r, chunk=c, block_k=bk, precision=prec)
+  # Per chunk, head and sub-block: A and M's rows, the inverses of I + A's diagonal blocks.
+  a, m, dinv = pl.pallas_call(
+    functools.partial(_scores_kernel, **kw),
+    out_shape=(f32(n, h, c, c),) * 3,
+    grid=(n, h, c // _SUB),
+    in_specs=[any_spec] * 5,
+    out_specs=(any_spec,) * 3,
+    interpret=interpret,
+    compiler_params=pltriton.CompilerParams(num_warps=scores_warps, num_stages=1),
+    name="chunk_kda_scores",
+  )(ch.owner, q_rows, rows[0], rows[1], rows[3])
+  # Per chunk and head: (I + A)^-1 and the products with it; none depends on the state.
+  w, u0, qe, kdec, decay = pl.pallas_call(
+    functools.partial(_prepare_kernel, **kw),
+    out_shape=(f32(n * c, h, kd), f32(n * c, h, vd), f32(n * c, h, kd), f32(n * c, h, kd), f32(n, h, kd)),
     grid=(n, h),
-    in_specs=[any_spec] * 6,
-    out_specs=(any_spec,) * 6,
+    in_specs=[any_spec] * 8,
+    out_specs=(any_spec,) * 5,
     interpret=interpret,
     compiler_params=pltriton.CompilerParams(num_warps=prepare_warps, num_stages=1),
     name="chunk_kda_prepare",
-  )(ch.owner, _gather(q, None, ch.src), *rows)
+  )(ch.owner, q_rows, *rows, a, dinv)
   # Per request, head and block of V: the state through the request's chunks, in order.
   o_rows, new_state = pl.pallas_call(
     functools.partial(_chunk_kda_kernel, chunk=c, block_v=bv, precision=prec),
@@ -414,7 +440,7 @@ def chunk_kda(
     interpret=interpret,
     compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
     name="chunk_kda",
-  )(ch.first, ch.num, ch.rem, *parts, state)
+  )(ch.first, ch.num, ch.rem, w, u0, qe, kdec, m, decay, state)
   return _finish(o_rows, new_state, prefix, rows, ch, req_indices, c)
 
 

@@ -78,6 +78,7 @@ def test_the_greedy_variant_lowers_no_sampler_kernel():
 
 def test_chunked_prefill_lowers_chunk_kda_in_its_variant_only():
   assert {k.name for k in lower(2048, chunks=True, linear_prefill="chunked")} == KERNELS | {
+    "chunk_kda_scores",
     "chunk_kda_prepare",
     "chunk_kda",
   }

@@ -9,9 +9,6 @@ from pallas_kernels.kda_chunk import ChunkPrefix, chunk_kda
 
 H, K, V, C = 2, 16, 32, 32
 IMPLS = ("xla", "pallas")
-# The Pallas kernel with (I + A)^-1 in diagonal blocks of 8 rows and products below them (several
-# block rows at every chunk size here), beside its whole-chunk substitution.
-BLOCKED = "pallas-inverse-blocks"
 
 
 def history(rng, n, gate):
@@ -64,8 +61,7 @@ def call(steps, state, prefix, impl, num_tokens, precision="float32"):
     req_indices=req,
     positions=pos,
     block_v=16,
-    implementation="pallas" if impl == BLOCKED else impl,
-    inverse_block=8 if impl == BLOCKED else None,
+    implementation=impl,
     precision=precision,
   )
   return np.asarray(o), state, prefix
@@ -75,7 +71,7 @@ def split(tok, start, stop):
   return {name: x[start:stop] for name, x in tok.items()}
 
 
-@pytest.mark.parametrize("impl", [*IMPLS, BLOCKED])
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("gate", ["safe", "steep"])
 @pytest.mark.parametrize("chunk", [16, 64])
 def test_matches_oracle_from_any_position(impl, gate, chunk):
@@ -125,8 +121,7 @@ def test_matches_oracle_from_any_position(impl, gate, chunk):
 
 @pytest.mark.parametrize(
   "impl, cuts",
-  [(impl, cuts) for impl in IMPLS for cuts in [(7,), (13,), (1, 2, 30), (16,), (5, 43)]]
-  + [(BLOCKED, (13,)), (BLOCKED, (1, 2, 30))],
+  [(impl, cuts) for impl in IMPLS for cuts in [(7,), (13,), (1, 2, 30), (16,), (5, 43)]],
 )
 def test_bitwise_across_step_splits(impl, cuts):
   """One prompt in one call or cut into steps of the given sizes (repeated), beside another
@@ -196,13 +191,9 @@ def test_rejects_bad_arguments():
     chunk_kda(**args, prefix=ChunkPrefix.zeros(2, H, K, V, C), **ids, precision="tf32", implementation="pallas")
   with pytest.raises(ValueError, match=r"block_v must be a power of two >= 16 dividing V = 32, got 8"):
     chunk_kda(**args, prefix=ChunkPrefix.zeros(2, H, K, V, C), **ids, block_v=8, implementation="pallas")
-  with pytest.raises(ValueError, match=r"inverse_block must be a power of two dividing the chunk C = 32, got 12"):
-    chunk_kda(**args, prefix=ChunkPrefix.zeros(2, H, K, V, C), **ids, inverse_block=12, implementation="pallas")
-  with pytest.raises(ValueError, match=r"inverse_block must be .*got 0"):
-    chunk_kda(**args, prefix=ChunkPrefix.zeros(2, H, K, V, C), **ids, inverse_block=0, implementation="pallas")
 
 
-@pytest.mark.parametrize("impl", [*IMPLS, BLOCKED])
+@pytest.mark.parametrize("impl", IMPLS)
 def test_repeated_keys_stay_accurate(impl):
   """A repeated token (one key throughout, decays near 0, beta near 1): ``I + A`` is close to the
   all-ones lower triangle, whose inverse's power series has binomial terms (~1e17 at 64 rows); the
