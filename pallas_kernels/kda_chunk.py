@@ -23,14 +23,18 @@ there are zeros, which add exact zeros.
 Layout: a request's tokens are contiguous and in position order in the flat batch (``StepInputs``);
 this step's tokens of request ``r`` continue from ``state[r]`` (the state at the start of the chunk
 holding its first position) and ``prefix`` (that chunk's rows before it). The wrapper gathers the
-step's chunks, prefix rows included, into chunk-major rows. Two kernels, as fla splits its own:
-``chunk_kda_prepare`` takes every chunk and head at once and computes what does not depend on the
-state (``M``, ``W = (I + A)^-1 (beta k exp(gam))``, ``U0 = (I + A)^-1 beta v``, the decayed ``q``
-and ``k``); then ``chunk_kda``, one program per (request, head, block of V), carries the state
+step's chunks, prefix rows included, into chunk-major rows. Three kernels, as fla splits its own:
+``chunk_kda_scores``, one program per (chunk, head, 16-row sub-block), computes the sub-block's rows
+of ``A`` and ``M`` and the inverse of ``I + A``'s diagonal block by forward substitution (fla's
+``chunk_kda_fwd_intra``); ``chunk_kda_prepare``, one per (chunk, head), joins the blocks below the
+diagonal by products (fla's ``solve_tril``) and computes the rest of what does not depend on the
+state (``W = (I + A)^-1 (beta k exp(gam))``, ``U0 = (I + A)^-1 beta v``, the decayed ``q`` and
+``k``); then ``chunk_kda``, one program per (request, head, block of V), carries the state
 through its request's chunks in order with three products per chunk (``u = U0 - W S``,
 ``o = (q exp(gam)) S + M u``, ``S' = diag(exp(gam_last)) S + (k exp(gam_last - gam))^T u``). One
-kernel doing both held ``[C, K]`` tiles of q, k, g and their decays at once and spilled 100 KB a
-thread (``jaxkv lower --build``, docs/kernels.md).
+kernel doing all of it held ``[C, K]`` tiles of q, k, g and their decays at once and spilled 100 KB
+a thread (``jaxkv lower --build``, docs/kernels.md); one per-chunk kernel for the first two ran 63
+dependent substitution steps on ``[C, C]`` tiles, about 1,000 barriers a program.
 
 ``"xla"`` is the CPU path and the reference: a scan over the same chunks, each by
 ``chunk_delta_rule`` (which the model's ``kda_chunked`` uses too).
@@ -357,8 +361,8 @@ def chunk_kda(
   block_v: int = 32,
   num_warps: int = 4,
   prepare_block_k: int = 32,
-  prepare_warps: int = 8,
-  scores_warps: int = 2,
+  prepare_warps: int = 4,
+  scores_warps: int = 4,
   precision: str = "tf32x3",
   implementation: str = "auto",
   interpret: bool | None = None,
