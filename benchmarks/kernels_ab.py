@@ -65,6 +65,7 @@ KERNELS = {
 def _load(path: pathlib.Path, name: str):
   spec = importlib.util.spec_from_file_location(f"previous_{name}", path)
   module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
   spec.loader.exec_module(module)
   return module
 
@@ -83,7 +84,11 @@ def run(args):
       continue
     module = importlib.import_module(f"pallas_kernels.{module_name}")
     current = getattr(module, fn_name)
-    previous = getattr(_load(previous_dir / f"{module_name}.py", module_name), fn_name)
+    old = _load(previous_dir / f"{module_name}.py", module_name)
+    for name in getattr(module, "__all__", ()):  # the benchmarks build the current module's types
+      if isinstance(getattr(module, name), type) and hasattr(old, name):
+        setattr(old, name, getattr(module, name))
+    previous = getattr(old, fn_name)
     runs = [
       ("previous", previous, {}),
       ("current", current, {}),
