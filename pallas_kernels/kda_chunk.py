@@ -34,7 +34,7 @@ through its request's chunks in order with three products per chunk (``u = U0 - 
 ``o = (q exp(gam)) S + M u``, ``S' = diag(exp(gam_last)) S + (k exp(gam_last - gam))^T u``). One
 kernel doing all of it held ``[C, K]`` tiles of q, k, g and their decays at once and spilled 100 KB
 a thread (``jaxkv lower --build``, docs/kernels.md); one per-chunk kernel for the first two ran 63
-dependent substitution steps on ``[C, C]`` tiles, about 1,000 barriers a program.
+dependent substitution steps on ``[C, C]`` tiles (about 1,600 barriers a program in all).
 
 ``"xla"`` is the CPU path and the reference: a scan over the same chunks, each by
 ``chunk_delta_rule`` (which the model's ``kda_chunked`` uses too).
