@@ -33,8 +33,8 @@ from jaxkv.gpu_target import GPU_TARGETS  # noqa: E402
 
 KPOOL, D_IDX, H_IDX, P = 4, 128, 32, 64
 CLOCK = "wall"  # --clock: "wall" (host timer around each loop) or "device" (the trace's kernel time)
-# Under --clock device: the last timed loop's kernels, us per call each (a case of two kernels, as
-# chunk_kda's, says which of them costs).
+# Under --clock device: the last timed loop's kernels, us per call each (a case of several kernels,
+# as chunk_kda's three, says which of them costs).
 LAST_KERNELS: dict[str, float] = {}
 H_MLA, L_MLA, TOPK = 64, 512, 2048
 E_MOE, D_MOE, F_MOE, K_MOE = 288, 4096, 2048, 8  # routed experts, hidden, expert width, experts per token
@@ -121,14 +121,14 @@ SWEEP = [
     [dict(block_v=b, num_warps=w) for b in (8, 16, 32, 64) for w in (1, 2, 4, 8) if (b, w) != (64, 1)],
   ),
   # Chunked KDA prefill at the same prefill steps: the state kernel's tile of V and warps, the
-  # per-chunk kernels' tile of K and warps (`jaxkv lower --build`
-  # counts each setting's registers and spills without a GPU; docs/kernels.md). IEEE float32
-  # products are out: 5.7x slower than 3xTF32 on the H200.
+  # per-chunk kernels' tile of K and warps (`jaxkv lower --build` counts each setting's registers
+  # and spills without a GPU; docs/kernels.md). IEEE float32 products are out: 5.7x slower than
+  # 3xTF32 on the H200.
   (
     "kda_chunk",
     # 32 x 256: an 8,192-token step of 32 prompts at the engine's long-prefill cap of 256.
     [dict(reqs=32, tokens=256), dict(reqs=1, tokens=2048), dict(reqs=2, tokens=1024)],
-    # The per-chunk kernels first: on the H200 they were the cost (docs/kernels.md).
+    # The per-chunk kernels first: the one they replaced was the cost on the H200 (docs/kernels.md).
     [dict(scores_warps=s, prepare_warps=w) for s in (2, 4) for w in (4, 8)]
     + [dict(prepare_block_k=64, scores_warps=s) for s in (2, 4)]
     + [dict(block_v=b, num_warps=w) for b in (16, 32, 64) for w in (4, 8)],
