@@ -69,6 +69,11 @@ _HP = jax.lax.Precision.HIGHEST
 PRECISIONS = {"float32": _HP, "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3}
 
 
+def _column_blocks(width: int, block_k: int) -> list[pl.Slice]:
+  """K's columns in blocks of ``block_k`` (the decays are per column, so any block is exact)."""
+  return [pl.ds(j * block_k, block_k) for j in range(width // block_k)]
+
+
 def _scores_kernel(
   owner_ref,
   q_ref,
@@ -103,7 +108,7 @@ def _scores_kernel(
   @pl.when(owner_ref[n] < num_reqs)
   def _():
     a = m = jnp.zeros((b, c), jnp.float32)
-    for ks in (pl.ds(j * block_k, block_k) for j in range(q_ref.shape[2] // block_k)):
+    for ks in _column_blocks(q_ref.shape[2], block_k):
       # Earlier sub-blocks: through row i0, exp(gam_i - gam_i0) exp(gam_i0 - gam_j), both <= 1.
       gam = jnp.cumsum(g_ref[pl.ds(base, c), h, ks], axis=0)  # [C, BK]
       g0 = jnp.sum(jnp.where(rc == i0, gam, 0.0), axis=0)[None, :]  # [1, BK]
@@ -186,7 +191,7 @@ def _prepare_kernel(
     beta = beta_ref[rows, h][:, None]  # [C, 1]
     out = pl.ds(n * c, c)
     u0_ref[out, h, :] = _dot(inv, beta * v_ref[rows, h, :])
-    for ks in (pl.ds(j * block_k, block_k) for j in range(q_ref.shape[2] // block_k)):
+    for ks in _column_blocks(q_ref.shape[2], block_k):
       k = k_ref[rows, h, ks]
       gam = jnp.cumsum(g_ref[rows, h, ks], axis=0)
       eg = jnp.exp(gam)
