@@ -75,10 +75,16 @@ def run(args):
 
   previous_dir = pathlib.Path(args.previous)
   variants = [v.split("=", 1) for v in args.variant]
+  only = args.only.split(",") if args.only else list(KERNELS)
+  if unknown := [m for m in only if m not in KERNELS]:
+    raise ValueError(f"--only names {unknown}, not kernels of this benchmark: {list(KERNELS)}.")
+  # A kernel named with nothing to compare must not pass as an empty run (2026-12-07: an uncarried folder).
+  if args.only and (missing := [m for m in only if not (previous_dir / f"{m}.py").exists()]):
+    have = sorted(x.name for x in previous_dir.glob("*.py"))
+    raise ValueError(f"--previous {previous_dir} has no file for {missing} (it has {have}): add MODULE.py there.")
   bw = K.measure_bandwidth(args.iters, args.repeats)
   print(f"measured bandwidth {bw / 1e12:.2f} TB/s", flush=True)
   result = {"bandwidth_Bps": bw, "iters": args.iters, "rows": []}
-  only = args.only.split(",") if args.only else list(KERNELS)
   for module_name, (fn_name, bench, sizes) in KERNELS.items():
     if module_name not in only or not (previous_dir / f"{module_name}.py").exists():
       continue
