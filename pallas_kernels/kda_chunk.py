@@ -95,7 +95,7 @@ def _scores_kernel(
   # (dinv: zero off the diagonal blocks). Small tiles ([SUB, K] and [SUB, C]) and four programs a
   # chunk and head: the sequential steps (sub-diagonals, substitution) run on a sub-block's rows
   # only, many programs to an SM (the one-program form held [C, C] tiles at 255 registers).
-  n, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  s, n, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   c, b = chunk, _SUB
   i0 = s * b
   base = b + n * c
@@ -224,7 +224,7 @@ def _chunk_kda_kernel(
   # first_ref / num_ref / rem_ref: [R] first chunk, chunk count, rows of the last chunk (0:
   # complete); w/u0/qe/kd/m/decay: _prepare_kernel's; state_ref / state_out_ref: [R, H, K, V] (one
   # buffer: a request without chunks is not touched); o_ref: [N*C, H, V].
-  r, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  vb, r, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   cols = pl.ds(vb * block_v, block_v)
   c = chunk
   _dot = lambda a, b: jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
@@ -420,7 +420,7 @@ def chunk_kda(
   a, m, dinv = pl.pallas_call(
     functools.partial(_scores_kernel, **kw),
     out_shape=(f32(n, h, c, c),) * 3,
-    grid=(n, h, c // _SUB),
+    grid=(c // _SUB, n, h),  # sub-blocks first: they read one chunk's rows (fused_recurrent_kda's grid)
     in_specs=[any_spec] * 5,
     out_specs=(any_spec,) * 3,
     interpret=interpret,
@@ -442,7 +442,7 @@ def chunk_kda(
   o_rows, new_state = pl.pallas_call(
     functools.partial(_chunk_kda_kernel, chunk=c, block_v=bv, precision=prec),
     out_shape=(f32(n * c, h, vd), f32(*state.shape)),
-    grid=(r, h, vd // bv),
+    grid=(vd // bv, r, h),  # blocks of V first: they read one chunk's w, qe, kd
     in_specs=[any_spec] * 10,
     out_specs=(any_spec, any_spec),
     input_output_aliases={9: 1},  # the state, updated in place (donated)
