@@ -367,7 +367,7 @@ def chunk_kda(
   num_warps: int = 4,
   prepare_block_k: int = 32,
   prepare_warps: int = 4,
-  scores_warps: int = 4,
+  scores_warps: int = 2,
   precision: str = "tf32x3",
   implementation: str = "auto",
   interpret: bool | None = None,
@@ -420,7 +420,7 @@ def chunk_kda(
   a, m, dinv = pl.pallas_call(
     functools.partial(_scores_kernel, **kw),
     out_shape=(f32(n, h, c, c),) * 3,
-    grid=(c // _SUB, n, h),  # sub-blocks first: they read one chunk's rows (fused_recurrent_kda's grid)
+    grid=(c // _SUB, n, h),  # sub-blocks first: they read one chunk's rows
     in_specs=[any_spec] * 5,
     out_specs=(any_spec,) * 3,
     interpret=interpret,

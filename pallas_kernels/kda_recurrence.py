@@ -77,7 +77,7 @@ def _kda_kernel(
   # dest_ref: [R, S] page of each slot; q/k/g: [T, H, K], v: [T, H, V], beta: [T, H];
   # init_ref: the states [R, H, K, V], or (from_pages) [R] the page row of each request's;
   # o_ref: [T, H, V]; pages_ref: uint32 [N, W] (aliases pages_in_ref).
-  vb, r, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  r, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   cols = pl.ds(vb * block_v, block_v)
   start, end = start_ref[r], start_ref[r] + len_ref[r]
   kd, vd = q_ref.shape[2], v_ref.shape[2]
@@ -250,10 +250,9 @@ def fused_recurrent_kda(
   o, words = pl.pallas_call(
     functools.partial(_kda_kernel, block_v=bv, num_slots=num_slots, offset=offset, from_pages=state is None),
     out_shape=(jax.ShapeDtypeStruct((t, h, vd), jnp.float32), jax.ShapeDtypeStruct(words.shape, jnp.uint32)),
-    # The blocks of V first: a GPU starts programs in the grid's first axis first, so the programs
-    # reading one (request, head)'s q, k, g rows run side by side and the rows come from L2 once
-    # read (last: a prefill step of many requests read them once per block of V from memory).
-    grid=(vd // bv, r, h),
+    # Requests first. The blocks of V first (programs sharing q, k, g rows side by side, as
+    # chunk_kda's state kernel runs) measured 13% slower at 32 x 256 tokens on an H100 (docs/kernels.md).
+    grid=(r, h, vd // bv),
     in_specs=[any_spec] * 11,
     out_specs=(any_spec, any_spec),
     input_output_aliases={10: 1},
