@@ -367,7 +367,7 @@ def chunk_kda(
   num_warps: int = 4,
   prepare_block_k: int = 32,
   prepare_warps: int = 4,
-  scores_warps: int = 4,
+  scores_warps: int = 2,
   precision: str = "tf32x3",
   implementation: str = "auto",
   interpret: bool | None = None,
