@@ -11,10 +11,11 @@
 #                                        # benchmarks/sampler.py)
 #   bash benchmarks/h200.sh timing       # the kernel sweeps, the top-20 log-probs' ways, then decode /
 #                                        # prefill at batches 1, 8, 32
-#   bash benchmarks/h200.sh prefill      # a 32k-token prompt at batch 1 beside the HF peer (the peer
-#                                        # and its wheels carried in .wheels/hf/: docs/performance.md,
-#                                        # "Reproduce"), then 32 x 1,024 tokens in 8,192-token steps,
-#                                        # profiled, without and with a long-prefill cap of 256
+#   bash benchmarks/h200.sh prefill      # a 32k-token prompt at batch 1, the HF peer's (its wheels
+#                                        # carried alone in .wheels/hf/: docs/performance.md,
+#                                        # "Reproduce") or jaxkv's in 8,192-token steps (.wheels/ without
+#                                        # hf/), then 32 x 1,024 tokens in 8,192-token steps, profiled,
+#                                        # without and with a long-prefill cap of 256
 #   bash benchmarks/h200.sh tune         # the grouped matmul's tests, then the MoE's tiling tuned at
 #                                        # $TUNE_TOKENS (benchmarks/tune_moe.py): the GPU's tuning
 #                                        # table comes back in tune/tuning/, to commit
@@ -182,14 +183,25 @@ case $mode in
       --out "$out/performance.jsonl"
     ;;
   prefill)
-    # The peer's transformers (glm5_next needs >= 5.24; the machine has 5.17) and
-    # flash-linear-attention, ahead of the machine's on the path (jaxkv imports neither).
-    pip install -q --no-deps --target /tmp/hf .wheels/hf/*.whl 2>&1 | grep -v WARN
-    (export PYTHONPATH="/tmp/hf:${PYTHONPATH:-$PWD}" && run "${PERF_S:-300}" prefill-32k.txt python benchmarks/performance.py \
-      --batches 1 --context 32768 --steps 8 --peer .wheels/hf/hf_peer_bench.py --out "$out/prefill-32k.jsonl")
-    # With a long-prefill cap of 256 too: all 32 prompts in each step, chains of 256 tokens (docs/engine.md).
-    run "${PERF_S:-300}" budget-8192.txt python benchmarks/performance.py --batches 32 --budget 8192 --steps 8 \
-      --long-prefill-token-threshold 0,256 --profile /tmp/prof-8192 --out "$out/budget-8192.jsonl" # the traces stay there: the rows carry their summaries
+    # The peer's wheels and jaxkv's do not fit one call's 64 MiB beside the tree (15 + 38 + 19 MB;
+    # tokamax imports xprof, so its 31 MB wheel cannot be left out: 2026-12-07, twenty-third
+    # session), so each part runs in the call its wheels came with: .wheels/hf/ carried alone (the
+    # peer), or .wheels/ without hf/ (jaxkv).
+    if [ -d .wheels/hf ]; then
+      # The peer's transformers (glm5_next needs >= 5.24; the machine has 5.17) and
+      # flash-linear-attention, ahead of the machine's on the path (jaxkv imports neither). It
+      # prints batch 1's line first; the larger batches at 32k run until the limit or out of memory.
+      pip install -q --no-deps --target /tmp/hf .wheels/hf/*.whl 2>&1 | grep -v WARN
+      (export PYTHONPATH="/tmp/hf:${PYTHONPATH:-$PWD}" && run "${PERF_S:-300}" prefill-32k-hf.txt python \
+        .wheels/hf/hf_peer_bench.py 32768)
+    fi
+    if ls .wheels/tokamax-*.whl >/dev/null 2>&1; then
+      run "${PERF_S:-300}" prefill-32k.txt python benchmarks/performance.py --batches 1 --context 32768 \
+        --budget 8192 --steps 8 --out "$out/prefill-32k.jsonl"
+      # With a long-prefill cap of 256 too: all 32 prompts in each step, chains of 256 tokens (docs/engine.md).
+      run "${PERF_S:-300}" budget-8192.txt python benchmarks/performance.py --batches 32 --budget 8192 --steps 8 \
+        --long-prefill-token-threshold 0,256 --profile /tmp/prof-8192 --out "$out/budget-8192.jsonl" # the traces stay there: the rows carry their summaries
+    fi
     ;;
   *)
     echo "unknown mode $mode: want correctness, matrix, suites, tune, kernels, timing, prefill, ab DIR or tokens DIR" >&2
