@@ -1,12 +1,15 @@
 """Interleaved A/B of kernels against a previous revision's files, in one process.
 
     mkdir -p /tmp/prev && git show REV:pallas_kernels/kpool.py > /tmp/prev/kpool.py
-    python benchmarks/kernels_ab.py --previous /tmp/prev --out DIR [--variant 'ns2={"num_stages": 2}']
+    python benchmarks/kernels_ab.py --previous /tmp/prev --out DIR [--variant 'ns2={"num_stages": 2}'] \
+        [--candidate 'rewrite=/tmp/rewrite={"block_v": 16}']
 
-For every kernel whose file is in ``--previous``, each size is timed previous, current, previous,
-current (same inputs, same process, `benchmarks/kernels.py`'s timing), so clock and bandwidth
-drift hit both alike; ``--variant`` adds current-code runs with other tuning arguments. Results go
-to ``DIR/kernels_ab.json`` after every size. ``benchmarks/kernels.py`` times the current code alone.
+For every kernel whose file is in ``--previous``, each size is timed in two rounds of previous,
+current, the variants and the candidates (same inputs, same process, `benchmarks/kernels.py`'s
+timing), so clock and bandwidth drift hit all alike; the second round's keys end in ``_again``.
+``--variant`` times the current code with other tuning arguments, ``--candidate`` another file of the
+kernel (a rewrite not yet in the tree: ``DIR/MODULE.py``), with tuning arguments if given. Results
+go to ``DIR/kernels_ab.json`` after every size. ``benchmarks/kernels.py`` times the current code alone.
 """
 
 from __future__ import annotations
@@ -62,8 +65,8 @@ KERNELS = {
 }
 
 
-def _load(path: pathlib.Path, name: str):
-  spec = importlib.util.spec_from_file_location(f"previous_{name}", path)
+def _load(path: pathlib.Path, name: str, label: str):
+  spec = importlib.util.spec_from_file_location(f"{label}_{name}", path)
   module = importlib.util.module_from_spec(spec)
   sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
   spec.loader.exec_module(module)
@@ -75,6 +78,13 @@ def run(args):
 
   previous_dir = pathlib.Path(args.previous)
   variants = [v.split("=", 1) for v in args.variant]
+  candidates = []
+  for c in args.candidate:
+    name, _, rest = c.partition("=")
+    folder, _, tune = rest.partition("=")
+    if not name or not folder:
+      raise ValueError(f"--candidate {c!r}: want NAME=DIR or NAME=DIR=JSON (DIR holding MODULE.py).")
+    candidates.append((name, pathlib.Path(folder), json.loads(tune) if tune else {}))
   only = args.only.split(",") if args.only else list(KERNELS)
   if unknown := [m for m in only if m not in KERNELS]:
     raise ValueError(f"--only names {unknown}, not kernels of this benchmark: {list(KERNELS)}.")
@@ -82,6 +92,9 @@ def run(args):
   if args.only and (missing := [m for m in only if not (previous_dir / f"{m}.py").exists()]):
     have = sorted(x.name for x in previous_dir.glob("*.py"))
     raise ValueError(f"--previous {previous_dir} has no file for {missing} (it has {have}): add MODULE.py there.")
+  for name, folder, _ in candidates:
+    if missing := [m for m in only if (previous_dir / f"{m}.py").exists() and not (folder / f"{m}.py").exists()]:
+      raise ValueError(f"--candidate {name}: {folder} has no file for {missing}: add MODULE.py there.")
   bw = K.measure_bandwidth(args.iters, args.repeats)
   print(f"measured bandwidth {bw / 1e12:.2f} TB/s", flush=True)
   result = {"bandwidth_Bps": bw, "iters": args.iters, "rows": []}
@@ -90,18 +103,21 @@ def run(args):
       continue
     module = importlib.import_module(f"pallas_kernels.{module_name}")
     current = getattr(module, fn_name)
-    old = _load(previous_dir / f"{module_name}.py", module_name)
-    for name in getattr(module, "__all__", ()):  # the benchmarks build the current module's types
-      if isinstance(getattr(module, name), type) and hasattr(old, name):
-        setattr(old, name, getattr(module, name))
-    previous = getattr(old, fn_name)
-    runs = [
-      ("previous", previous, {}),
+
+    def load(folder, label):
+      other = _load(folder / f"{module_name}.py", module_name, label)
+      for name in getattr(module, "__all__", ()):  # the benchmarks build the current module's types
+        if isinstance(getattr(module, name), type) and hasattr(other, name):
+          setattr(other, name, getattr(module, name))
+      return getattr(other, fn_name)
+
+    one_round = [
+      ("previous", load(previous_dir, "previous"), {}),
       ("current", current, {}),
       *[(name, current, json.loads(tune)) for name, tune in variants],
-      ("previous_again", previous, {}),
-      ("current_again", current, {}),
+      *[(name, load(folder, f"candidate_{name}"), tune) for name, folder, tune in candidates],
     ]
+    runs = one_round + [(f"{name}_again", fn, tune) for name, fn, tune in one_round]
     for kw in json.loads(args.sizes) if args.sizes else sizes:
       row = {"kernel": module_name, **kw}
       for name, fn, tune in runs:
@@ -141,6 +157,13 @@ def main():
     default=[],
     metavar="NAME=JSON",
     help="also time the current kernel with these tuning arguments",
+  )
+  p.add_argument(
+    "--candidate",
+    action="append",
+    default=[],
+    metavar="NAME=DIR[=JSON]",
+    help="also time DIR/MODULE.py's kernel (a rewrite), with these tuning arguments if given",
   )
   p.add_argument(
     "--sizes", metavar="JSON", help='sizes to time instead of the defaults, e.g. \'[{"batch": 64, "ctx": 32768}]\''
