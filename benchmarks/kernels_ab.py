@@ -82,9 +82,17 @@ def run(args):
   for c in args.candidate:
     name, _, rest = c.partition("=")
     folder, _, tune = rest.partition("=")
-    if not name or not folder:
-      raise ValueError(f"--candidate {c!r}: want NAME=DIR or NAME=DIR=JSON (DIR holding MODULE.py).")
-    candidates.append((name, pathlib.Path(folder), json.loads(tune) if tune else {}))
+    try:
+      tune = json.loads(tune) if tune else {}
+    except json.JSONDecodeError as e:
+      raise ValueError(f"--candidate {c!r}: its tuning is not JSON ({e}).") from None
+    if not name or not folder or not isinstance(tune, dict):
+      raise ValueError(f"--candidate {c!r}: want NAME=DIR or NAME=DIR=JSON (DIR holding MODULE.py, JSON an object).")
+    candidates.append((name, pathlib.Path(folder), tune))
+  # Each name keys its row's results: a repeated one would overwrite another's.
+  names = ["previous", "current", *(name for name, _ in variants), *(name for name, _, _ in candidates)]
+  if repeated := sorted({n for n in names if names.count(n) > 1}):
+    raise ValueError(f"--variant / --candidate names {repeated} more than once (previous and current are taken).")
   only = args.only.split(",") if args.only else list(KERNELS)
   if unknown := [m for m in only if m not in KERNELS]:
     raise ValueError(f"--only names {unknown}, not kernels of this benchmark: {list(KERNELS)}.")
