@@ -73,22 +73,33 @@ def _load(path: pathlib.Path, name: str, label: str):
   return module
 
 
+def _tuning(flag: str, spec: str, text: str) -> dict:
+  """A ``--variant`` / ``--candidate`` flag's tuning arguments: a JSON object (empty: none)."""
+  try:
+    tune = json.loads(text) if text else {}
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{flag} {spec!r}: its tuning is not JSON ({e}).") from None
+  if not isinstance(tune, dict):
+    raise ValueError(f"{flag} {spec!r}: its tuning must be a JSON object of keyword arguments.")
+  return tune
+
+
 def run(args):
   import pallas_kernels  # noqa: F401  (the package re-exports each function under its module's name)
 
   previous_dir = pathlib.Path(args.previous)
-  variants = [v.split("=", 1) for v in args.variant]
-  candidates = []
+  variants, candidates = [], []
+  for v in args.variant:
+    name, _, tune = v.partition("=")
+    if not name:
+      raise ValueError(f"--variant {v!r}: want NAME=JSON.")
+    variants.append((name, _tuning("--variant", v, tune)))
   for c in args.candidate:
     name, _, rest = c.partition("=")
     folder, _, tune = rest.partition("=")
-    try:
-      tune = json.loads(tune) if tune else {}
-    except json.JSONDecodeError as e:
-      raise ValueError(f"--candidate {c!r}: its tuning is not JSON ({e}).") from None
-    if not name or not folder or not isinstance(tune, dict):
-      raise ValueError(f"--candidate {c!r}: want NAME=DIR or NAME=DIR=JSON (DIR holding MODULE.py, JSON an object).")
-    candidates.append((name, pathlib.Path(folder), tune))
+    if not name or not folder:
+      raise ValueError(f"--candidate {c!r}: want NAME=DIR or NAME=DIR=JSON (DIR holding MODULE.py).")
+    candidates.append((name, pathlib.Path(folder), _tuning("--candidate", c, tune)))
   # Each name keys its row's results: a repeated one would overwrite another's.
   names = ["previous", "current", *(name for name, _ in variants), *(name for name, _, _ in candidates)]
   if repeated := sorted({n for n in names if names.count(n) > 1}):
@@ -122,7 +133,7 @@ def run(args):
     one_round = [
       ("previous", load(previous_dir, "previous"), {}),
       ("current", current, {}),
-      *[(name, current, json.loads(tune)) for name, tune in variants],
+      *[(name, current, tune) for name, tune in variants],
       *[(name, load(folder, f"candidate_{name}"), tune) for name, folder, tune in candidates],
     ]
     runs = one_round + [(f"{name}_again", fn, tune) for name, fn, tune in one_round]
