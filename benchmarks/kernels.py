@@ -264,7 +264,10 @@ def bench_mqa_logits(batch, ctx, impl, iters, repeats, **tune):
   return t, nbytes
 
 
-def bench_sparse_mla(batch, ctx, impl, iters, repeats, cache_dtype="bfloat16", **tune):
+def bench_sparse_mla(batch, ctx, impl, iters, repeats, cache_dtype="bfloat16", queries=1, **tune):
+  """Sparse MLA over ``batch`` requests of ``ctx`` tokens, ``queries`` query tokens each (1:
+  decode; a prefill step's 8,192 tokens of one 32k prompt: ``batch=1, queries=8192``), each query
+  with its own 2,051 random rows. Bytes: the rows each query reads, the queries and outputs."""
   import jax
   from jaxkv import KernelView
   import jax.numpy as jnp
@@ -280,10 +283,11 @@ def bench_sparse_mla(batch, ctx, impl, iters, repeats, cache_dtype="bfloat16", *
   rng = np.random.default_rng(1)
   table = jnp.asarray(rng.permutation(np.arange(1, blocks)).reshape(batch, ctx // bs).astype(np.int32))
   k = TOPK + KPOOL - 1
-  idx = np.stack([rng.choice(ctx, size=min(k, ctx), replace=False) for _ in range(batch)]).astype(np.int32)
+  t = batch * queries
+  idx = np.stack([rng.choice(ctx, size=min(k, ctx), replace=False) for _ in range(t)]).astype(np.int32)
   idx = jnp.asarray(np.pad(idx, ((0, 0), (0, k - idx.shape[1])), constant_values=-1))
-  q = jax.random.normal(jax.random.key(5), (batch, H_MLA, L_MLA), jnp.bfloat16)
-  reqs = jnp.arange(batch, dtype=jnp.int32)
+  q = jax.random.normal(jax.random.key(5), (t, H_MLA, L_MLA), jnp.bfloat16)
+  reqs = jnp.asarray(np.repeat(np.arange(batch), queries).astype(np.int32))
 
   def step(q_, c):
     out = sparse_mla_decode(
@@ -297,7 +301,7 @@ def bench_sparse_mla(batch, ctx, impl, iters, repeats, cache_dtype="bfloat16", *
     return q_ + _dep(out).astype(q_.dtype)
 
   t = _timeit(step, q, (cache, idx, reqs, table), iters, repeats)
-  nbytes = batch * min(k, ctx) * e + q.nbytes + batch * H_MLA * L_MLA * 4
+  nbytes = t * min(k, ctx) * e + q.nbytes + t * H_MLA * L_MLA * 4
   return t, nbytes
 
 
