@@ -454,7 +454,10 @@ def _dsa_step(
     sm_scale=attn.dk**-0.5,
     implementation=layout.implementation("sparse_mla_decode", implementation),
   )
-  args = (q_lat.astype(jnp.float32), caches[mla.tensor], indices, req, table)
+  # q_lat in its own dtype: both paths widen it exactly (the kernel's products take bf16 queries for
+  # bf16 and fp8 latents); a float32 copy (1 GiB at an 8,192-token step) was written, then read
+  # in place of the bf16 one.
+  args = (q_lat, caches[mla.tensor], indices, req, table)
   o_lat = _per_device(attn, decode, args, in_axes=(1, None, None, None, None), out_axes=(1,))
   o = jnp.einsum("thl,hvl->thv", o_lat.astype(x.dtype), w_kvb[:, attn.dk :].astype(x.dtype), precision=_HP)
   return attn.o_proj(o.reshape(t, -1)), caches, indices
