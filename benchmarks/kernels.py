@@ -88,6 +88,18 @@ SWEEP = [
     [dict(batch=1, ctx=131072), dict(batch=64, ctx=32768)],
     [dict(pages_per_program=p, num_warps=w) for p in (1, 2, 4, 8) for w in (2, 4)],
   ),
+  # A 32k prompt's prefill step: 8,192 queries of one request, 2,048 rows each, mostly from L2 (the
+  # prompt's latents are 38 MB), at 178 TFLOP/s on an H100 (docs/performance.md, "Open", 2). Built
+  # for sm_90, the default holds its [64, 512] float32 accumulator in 255 registers and spills 584
+  # bytes a thread; 32 or 16 heads a program build without spills (174-180 registers) and read each
+  # row once a head tile.
+  (
+    "sparse_mla_decode",
+    [dict(batch=1, queries=8192, ctx=32768), dict(batch=64, ctx=32768)],
+    [{}]
+    + [dict(block_h=h, num_warps=w) for h, w in ((32, 4), (32, 8), (16, 4))]
+    + [dict(block_h=32, block_k=32, num_warps=4), dict(num_stages=1), dict(block_k=32), dict(latent_block=256)],
+  ),
   # fp8 latents: the default beside the column slices, which spill least with fp8 (256 columns x 32
   # rows: 64 / 64 bytes against 840 / 724 whole) but were no faster on an H100 (docs/kernels.md).
   (
@@ -716,6 +728,9 @@ def run(args):
           entry["kernels_us"] = dict(LAST_KERNELS)
         if name == "grouped_matmul":  # prefill sizes are bound by the matmul rate, not the bytes
           entry["tflops"] = 2 * kw["tokens"] * K_MOE * D_MOE * F_MOE / t / 1e12
+        if name == "sparse_mla_decode" and kw.get("queries", 1) > 1:  # so is a prefill step's attention
+          rows_ = min(TOPK + KPOOL - 1, kw["ctx"])  # two products (scores, values) of [H, L] x [L, rows]
+          entry["tflops"] = 4 * kw["batch"] * kw["queries"] * H_MLA * rows_ * L_MLA / t / 1e12
         result["sweep"].append(entry)
         rate = f", {entry['tflops']:.0f} TFLOP/s" if "tflops" in entry else ""
         split = f" {entry['kernels_us']}" if "kernels_us" in entry else ""
