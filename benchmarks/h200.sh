@@ -196,8 +196,9 @@ case $mode in
         .wheels/hf/hf_peer_bench.py 32768)
     fi
     if ls .wheels/tokamax-*.whl >/dev/null 2>&1; then
-      # Profiled: where a long-context step's time goes (82 ms against 65 at 1k context, on an H100:
-      # the recurrence at batch 1 or the sparse MLA kernel; docs/performance.md, "Open", 2).
+      # Profiled: where a long-context step's time goes (on an H100, 80 ms of kernels against 64 at
+      # 1k context: the sparse MLA kernel +9 ms, the recurrence at batch 1 +4; docs/performance.md,
+      # "Open", 2).
       run "${PERF_S:-300}" prefill-32k.txt python benchmarks/performance.py --batches 1 --context 32768 \
         --budget 8192 --steps 8 --profile /tmp/prof-32k --out "$out/prefill-32k.jsonl"
       # With a long-prefill cap of 256 too: all 32 prompts in each step, chains of 256 tokens (docs/engine.md).
