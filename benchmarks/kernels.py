@@ -295,10 +295,10 @@ def bench_sparse_mla(batch, ctx, impl, iters, repeats, cache_dtype="bfloat16", q
   rng = np.random.default_rng(1)
   table = jnp.asarray(rng.permutation(np.arange(1, blocks)).reshape(batch, ctx // bs).astype(np.int32))
   k = TOPK + KPOOL - 1
-  t = batch * queries
-  idx = np.stack([rng.choice(ctx, size=min(k, ctx), replace=False) for _ in range(t)]).astype(np.int32)
+  nq = batch * queries
+  idx = np.stack([rng.choice(ctx, size=min(k, ctx), replace=False) for _ in range(nq)]).astype(np.int32)
   idx = jnp.asarray(np.pad(idx, ((0, 0), (0, k - idx.shape[1])), constant_values=-1))
-  q = jax.random.normal(jax.random.key(5), (t, H_MLA, L_MLA), jnp.bfloat16)
+  q = jax.random.normal(jax.random.key(5), (nq, H_MLA, L_MLA), jnp.bfloat16)
   reqs = jnp.asarray(np.repeat(np.arange(batch), queries).astype(np.int32))
 
   def step(q_, c):
@@ -313,7 +313,7 @@ def bench_sparse_mla(batch, ctx, impl, iters, repeats, cache_dtype="bfloat16", q
     return q_ + _dep(out).astype(q_.dtype)
 
   t = _timeit(step, q, (cache, idx, reqs, table), iters, repeats)
-  nbytes = t * min(k, ctx) * e + q.nbytes + t * H_MLA * L_MLA * 4
+  nbytes = nq * min(k, ctx) * e + q.nbytes + nq * H_MLA * L_MLA * 4
   return t, nbytes
 
 
